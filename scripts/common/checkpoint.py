@@ -1,0 +1,198 @@
+"""Checkpoints and the final model.
+
+    OUTPUT_DIR/checkpoints/step_<N>/
+        state/               model + optimizer through torch.distributed.checkpoint (DCP), under
+                             the full model's parameter names: each rank writes what it owns, so
+                             the same format serves replicated (DDP) and sharded strategies
+        trainer_state.json   step, data position, global batch, model config (written last)
+        scheduler.pt         LR schedule
+        rng/rank_<r>.pt      every rank's RNG (python, numpy, torch, cuda)
+    OUTPUT_DIR/model/        model.safetensors + config.json (+ data.json: which data it learned)
+
+A checkpoint is written to `checkpoints/.tmp_step_<N>` and renamed when complete, so an
+interrupted save never destroys the previous one. All ranks must call save/load/export:
+they are collectives (pitfall 4); only file writes that need one writer are the main
+process's. Checkpoints and `model/` need a file system shared by all machines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+
+from .launch import UsageError
+from .model import GPT, GPTConfig
+
+STATE_FILE = "trainer_state.json"
+
+
+def _checkpoints_dir(output_dir) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir) -> list[Path]:
+    """Complete checkpoints, oldest first (a temp dir of an interrupted save is not one)."""
+    root = _checkpoints_dir(output_dir)
+    found = [p for p in root.glob("step_*") if re.fullmatch(r"step_\d+", p.name)] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def resolve_checkpoint(arg: str | None, output_dir) -> Path | None:
+    if arg is None:
+        return None
+    if arg == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {_checkpoints_dir(output_dir)} (run without it, or with --checkpoint_every N)")
+        return found[-1]
+    path = Path(arg)
+    if not path.is_dir():
+        raise UsageError(f"--resume_from_checkpoint {arg}: no such checkpoint directory")
+    return path
+
+
+def read_checkpoint_state(path: Path) -> dict:
+    """Read and check a checkpoint's small files before anything is built or written."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        dcp.FileSystemReader(str(path / "state")).read_metadata()
+        if not (path / "scheduler.pt").is_file():
+            raise FileNotFoundError("scheduler.pt")
+        state["step"], state["model_config"], state["global_batch_size"]  # noqa: B018 (must exist)
+    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
+        raise UsageError(f"--resume_from_checkpoint {path}: not a complete, readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return state
+
+
+def check_compatible(state: dict, path: Path, model_config: GPTConfig, global_batch_size: int) -> None:
+    saved = GPTConfig.from_dict(state["model_config"])
+    if saved != model_config:
+        diff = ", ".join(f"{k} {getattr(saved, k)} vs {getattr(model_config, k)}" for k in saved.to_dict() if getattr(saved, k) != getattr(model_config, k))
+        raise UsageError(f"--resume_from_checkpoint {path}: saved by another model ({diff}, checkpoint vs this run): use the same --model_size and overrides")
+    if state["global_batch_size"] != global_batch_size:
+        raise UsageError(f"--resume_from_checkpoint {path}: saved with global batch {state['global_batch_size']}, this run has {global_batch_size}: keep batch_size x processes x accumulation equal")
+
+
+def prepare_output_dir(output_dir, resuming: bool, overwrite: bool) -> None:
+    """Refuse to start a new run on top of another (its metrics and checkpoints would be lost)."""
+    out = Path(output_dir)
+    holds_run = (out / "metrics.jsonl").exists() or _checkpoints_dir(out).exists()
+    if holds_run and not resuming and not overwrite:
+        raise UsageError(f"--output_dir {out} already holds a run: continue it with --resume_from_checkpoint latest, start over with --overwrite_output_dir, or choose another --output_dir")
+
+
+def clear_output_dir(output_dir) -> None:
+    """`--overwrite_output_dir`: remove the old run's metrics, checkpoints and model (main process)."""
+    out = Path(output_dir)
+    for name in ("metrics.jsonl", "checkpoints", "model"):
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def _unwrap_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds the torch one
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(accelerator, model, optimizer, scheduler, trainer_state: dict, output_dir, keep_last: int) -> Path:
+    """Collective: call on every rank."""
+    root = _checkpoints_dir(output_dir)
+    final = root / f"step_{trainer_state['step']}"
+    tmp = root / f".tmp_step_{trainer_state['step']}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+        (tmp / "rng").mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
+    if accelerator.is_main_process:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():  # same step saved before (e.g. a resumed run): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # the checkpoint appears whole or not at all
+        if keep_last > 0:
+            for old in list_checkpoints(output_dir)[:-keep_last]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dict:
+    """Collective: restores model, optimizer, scheduler and RNG in place; returns trainer_state."""
+    state = json.loads((path / STATE_FILE).read_text())
+    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer))
+    to_load = {"model": model_sd, "optim": optim_sd}
+    dcp.load(to_load, checkpoint_id=str(path / "state"))
+    set_state_dict(model, _unwrap_optimizer(optimizer), model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    rng_file = path / "rng" / f"rank_{accelerator.process_index}.pt"
+    if state.get("world_size") == accelerator.num_processes and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    else:  # another layout: per-rank streams cannot map one to one; reseed deterministically
+        torch.manual_seed(state.get("seed", 0) + state["step"] * 1000 + accelerator.process_index)
+    return state
+
+
+def export_model(accelerator, model, model_config: GPTConfig, data_source: dict, model_dir) -> None:
+    """Write `model/` (safetensors + config). Collective: gathering a sharded model needs every
+    rank; only the main process writes, to a temp dir renamed into place."""
+    from safetensors.torch import save_file
+
+    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if accelerator.is_main_process:
+        model_dir = Path(model_dir)
+        tmp = model_dir.with_name(f".tmp_{model_dir.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in full_sd.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(model_config.to_dict(), indent=1))
+        (tmp / "data.json").write_text(json.dumps(data_source, indent=1))
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        os.replace(tmp, model_dir)
+    accelerator.wait_for_everyone()
+
+
+def load_exported(model_dir) -> tuple[GPT, dict]:
+    """Load `model/` on CPU: returns the model and the data source it was trained on."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    try:
+        config = GPTConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+        weights = load_file(str(model_dir / "model.safetensors"))
+        data_source = json.loads((model_dir / "data.json").read_text()) if (model_dir / "data.json").exists() else {}
+        model = GPT(config)
+        model.load_state_dict(weights)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"--model_dir {model_dir}: not a readable model directory ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return model, data_source

@@ -1,0 +1,253 @@
+"""Data through 🤗 datasets: the built-in sets, hub data sets and local files, one code path.
+
+Every source ends as rows of `input_ids` and `labels` (same length; label -100 = not a
+target), byte-level (vocab 256), so no tokenizer is downloaded:
+
+- `addition` (default): "042+317=953\n" — zero-padded operands, the sum written
+  least-significant digit first (the order a carry travels), one problem per row; only
+  the answer is a target. Built offline from a fixed seed; validation never overlaps train.
+- `pystdlib`: real text, the Python standard library's sources on this machine, packed
+  into blocks of `block_size`.
+- `--dataset_name` (hub, or a local folder laid out like one) and `--train_file` /
+  `--validation_file` (txt, json/jsonl, csv): packed like `pystdlib`.
+
+Built-ins are written once as jsonl under `data/cache/` and then read by the same
+`load_dataset` call as anyone's local files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from .launch import UsageError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CACHE_DIR = REPO_ROOT / "data" / "cache"
+BUILTIN_DATASETS = ("addition", "pystdlib")
+ADDITION_SIZES = {"train": 100_000, "validation": 1_000}
+FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+
+
+def add_data_args(parser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset", default="addition", help=f"built-in data set: {' | '.join(BUILTIN_DATASETS)} (default: addition)")
+    g.add_argument("--addition_digits", type=int, default=3, help="digits per operand of the addition set")
+    g.add_argument("--dataset_name", help="a 🤗 hub data set (or a local folder laid out like one); replaces --dataset")
+    g.add_argument("--dataset_config", help="configuration name of --dataset_name")
+    g.add_argument("--text_column", default="text", help="column holding the text (hub and local files)")
+    g.add_argument("--train_file", help="local training file: .txt, .json/.jsonl or .csv; replaces --dataset")
+    g.add_argument("--validation_file", help="local validation file (default: the last 5%% of --train_file)")
+    g.add_argument("--data_cache_dir", default=str(DEFAULT_CACHE_DIR), help="where built data and 🤗 caches go")
+
+
+def check_data_args(args) -> None:
+    """Checks that need no data: run before any process group exists."""
+    if args.validation_file and not args.train_file:
+        raise UsageError("--validation_file needs --train_file: pass the training file too")
+    for flag in ("train_file", "validation_file"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise UsageError(f"--{flag} {path}: no such file")
+        if Path(path).suffix not in FILE_BUILDERS:
+            raise UsageError(f"--{flag} {path}: unsupported type (use {', '.join(FILE_BUILDERS)})")
+    if not (args.train_file or args.dataset_name) and args.dataset not in BUILTIN_DATASETS:
+        raise UsageError(f"--dataset {args.dataset!r} is not a built-in data set (choose {' or '.join(BUILTIN_DATASETS)}), or use --dataset_name / --train_file")
+    if args.addition_digits < 1 or args.addition_digits > 9:
+        raise UsageError(f"--addition_digits must be 1..9 (got {args.addition_digits})")
+
+
+def data_source(args) -> dict:
+    """What the data is, as saved beside the model so that evaluate.py reads the same split."""
+    keys = ("dataset", "addition_digits", "dataset_name", "dataset_config", "text_column", "train_file", "validation_file")
+    return {k: getattr(args, k) for k in keys}
+
+
+@dataclass
+class Data:
+    train: object  # datasets.Dataset with torch format: input_ids, labels
+    validation: object
+    task: str  # "addition" (exact match) or "text" (perplexity)
+    seq_len: int
+
+
+# ---------------------------------------------------------------- built-in sets (offline)
+
+def _write_atomic(path: Path, lines) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)  # concurrent builders write identical bytes; the rename is atomic
+
+
+def build_addition(cache_dir: Path, digits: int) -> dict:
+    out = cache_dir / f"addition_{digits}d"
+    files = {split: out / f"{split}.jsonl" for split in ADDITION_SIZES}
+    if all(f.exists() for f in files.values()):
+        return files
+    out.mkdir(parents=True, exist_ok=True)
+    space = 10 ** (2 * digits)  # every (a, b) pair, as one index
+    n_val = min(ADDITION_SIZES["validation"], space // 10)
+    n_train = min(ADDITION_SIZES["train"], space - n_val)
+    picks = random.Random(f"addition-{digits}").sample(range(space), n_val + n_train)  # distinct: no overlap
+    for split, idx in (("validation", picks[:n_val]), ("train", picks[n_val:])):
+        rows = []
+        for i in idx:
+            a, b = divmod(i, 10**digits)
+            rows.append(json.dumps({"text": f"{a:0{digits}d}+{b:0{digits}d}={str(a + b)[::-1]}\n"}) + "\n")
+        _write_atomic(files[split], rows)
+    return files
+
+
+def build_pystdlib(cache_dir: Path, max_train_bytes: int = 8_000_000) -> dict:
+    out = cache_dir / "pystdlib"
+    files = {"train": out / "train.txt", "validation": out / "validation.txt"}
+    if all(f.exists() for f in files.values()):
+        return files
+    out.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    sources = sorted(p for p in stdlib.rglob("*.py") if not skip.intersection(p.relative_to(stdlib).parts))
+    train, val, train_bytes = [], [], 0
+    for i, path in enumerate(sources):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if i % 20 == 0:  # every 20th file is validation: whole files, so no text is in both
+            val.append(text)
+        elif train_bytes < max_train_bytes:
+            train.append(text)
+            train_bytes += len(text)
+    _write_atomic(files["train"], train)
+    _write_atomic(files["validation"], val)
+    return files
+
+
+# ---------------------------------------------------------------- loading and tokenising
+
+def _load_raw(args, cache_dir: Path):
+    import datasets
+
+    hf_cache = str(cache_dir / "hf")
+    try:
+        if args.dataset_name:
+            raw = datasets.load_dataset(args.dataset_name, args.dataset_config, cache_dir=hf_cache)
+        else:
+            if args.train_file:
+                files = {"train": args.train_file}
+                if args.validation_file:
+                    files["validation"] = args.validation_file
+            elif args.dataset == "addition":
+                files = build_addition(cache_dir, args.addition_digits)
+            else:
+                files = build_pystdlib(cache_dir)
+            files = {k: str(v) for k, v in files.items()}
+            builder = FILE_BUILDERS[Path(files["train"]).suffix]
+            extra = {"keep_linebreaks": True} if builder == "text" else {}
+            raw = datasets.load_dataset(builder, data_files=files, cache_dir=hf_cache, **extra)
+    except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError, ConnectionError) as e:
+        what = f"--dataset_name {args.dataset_name}" if args.dataset_name else "the data files"
+        raise UsageError(f"could not load {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if "train" not in raw:
+        raise UsageError(f"the data set has no 'train' split (found: {', '.join(raw)})")
+    if "validation" not in raw:
+        # hold out the last 5% (at least one row) of train: deterministic, no overlap
+        n = len(raw["train"])
+        n_val = max(1, n // 20)
+        if n < 2:
+            raise UsageError("the training data has fewer than 2 rows: cannot hold out a validation split; pass --validation_file")
+        raw = datasets.DatasetDict({"train": raw["train"].select(range(n - n_val)), "validation": raw["train"].select(range(n - n_val, n))})
+    if args.text_column not in raw["train"].column_names:
+        raise UsageError(f"--text_column {args.text_column!r} not found (columns: {', '.join(raw['train'].column_names)})")
+    return raw
+
+
+def _encode_addition(batch, row_len: int):
+    input_ids, labels = [], []
+    for text in batch["text"]:
+        ids = list(text.encode("utf-8"))
+        answer_start = ids.index(ord("=")) + 1
+        pad = row_len - len(ids)
+        input_ids.append(ids + [0] * pad)
+        labels.append([-100] * answer_start + ids[answer_start:] + [-100] * pad)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _encode_and_pack(batch, text_column: str, block_size: int):
+    """Concatenate the batch's documents as bytes and cut them into blocks of `block_size`
+    (the tail shorter than a block is dropped, as in 🤗's run_clm)."""
+    stream = []
+    for text in batch[text_column]:
+        text = text if isinstance(text, str) else ("" if text is None else str(text))
+        stream.extend((text if text.endswith("\n") else text + "\n").encode("utf-8"))
+    n_blocks = len(stream) // block_size
+    blocks = [stream[i * block_size : (i + 1) * block_size] for i in range(n_blocks)]
+    return {"input_ids": blocks, "labels": blocks}
+
+
+def load_data(args, accelerator, block_size: int) -> Data:
+    """Load, tokenise and pack. The local main process of each machine goes first and fills
+    the caches; the others then read them (🤗 `map` reuses its cache by fingerprint)."""
+    cache_dir = Path(args.data_cache_dir)
+    is_addition = not (args.train_file or args.dataset_name) and args.dataset == "addition"
+    row_len = 3 * args.addition_digits + 4  # "aaa+bbb=" + up to d+1 answer digits + "\n"
+    if is_addition and block_size < row_len:
+        raise UsageError(f"--block_size {block_size} is shorter than one addition problem ({row_len} tokens): use --block_size >= {row_len}")
+    with accelerator.local_main_process_first():
+        raw = _load_raw(args, cache_dir)
+        if is_addition:
+            encode, kwargs, seq_len = _encode_addition, {"row_len": row_len}, row_len
+        else:
+            encode, kwargs, seq_len = _encode_and_pack, {"text_column": args.text_column, "block_size": block_size}, block_size
+        splits = {
+            name: split.map(encode, fn_kwargs=kwargs, batched=True, batch_size=2000, remove_columns=split.column_names, desc=f"tokenise {name}")
+            for name, split in raw.items()
+            if name in ("train", "validation")
+        }
+    for name, split in splits.items():
+        if len(split) == 0:
+            n_bytes = sum(len(str(t).encode()) for t in raw[name][args.text_column])
+            raise UsageError(f"--block_size {block_size} is longer than the {name} split allows ({n_bytes} bytes give no full block): lower --block_size or add data")
+        split.set_format("torch", columns=["input_ids", "labels"])
+    return Data(train=splits["train"], validation=splits["validation"], task="addition" if is_addition else "text", seq_len=seq_len)
+
+
+# ---------------------------------------------------------------- data loaders
+
+class GlobalBatchSampler(Sampler):
+    """The same shuffled order on every rank, fixed by (seed, epoch) alone, cut to whole
+    global batches. Accelerate then hands rank r every dp-th micro-batch of it, so the
+    samples of optimizer step t are the same for any number of processes."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int):
+        self.num_samples = num_samples
+        self.usable = num_samples - num_samples % global_batch_size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=g)[: self.usable].tolist())
+
+    def __len__(self) -> int:
+        return self.usable
+
+
+def make_train_loader(train, batch_size: int, global_batch_size: int, seed: int) -> DataLoader:
+    if len(train) < global_batch_size:
+        raise UsageError(f"the train split has {len(train)} samples, fewer than one global batch ({global_batch_size}): lower --batch_size or --gradient_accumulation_steps")
+    sampler = GlobalBatchSampler(len(train), global_batch_size, seed)
+    return DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+
+def make_eval_loader(validation, batch_size: int) -> DataLoader:
+    return DataLoader(validation, batch_size=batch_size, shuffle=False)

@@ -1,0 +1,143 @@
+"""Launch helpers: the command line every script shares, the Accelerator set-up with CPU
+detection and the launch-trap checks, seeding, and one-line errors for bad input."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+
+import torch
+
+from .model import MODEL_PRESETS
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line naming the flag and the fix, exit code 2."""
+
+
+def run_main(main) -> None:
+    """Run `main()`; turn a UsageError into one line on stderr (from rank 0) and exit 2."""
+    try:
+        main()
+    except UsageError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.exit(2)
+
+
+def world_size_from_env() -> int:
+    """How many processes the launcher started (torchrun sets WORLD_SIZE, mpirun PMI_SIZE ...)."""
+    for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 1
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The core flags of the script contract (../shared/CONVENTIONS.md); scripts add their own."""
+    from .data import add_data_args
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--output_dir", default=None, help="everything the run writes goes here (default: runs/<script>)")
+    g.add_argument("--overwrite_output_dir", action="store_true", help="start a new run in an --output_dir that already holds one")
+    g.add_argument("--max_steps", type=int, default=1500, help="optimizer steps to run")
+    g.add_argument("--seed", type=int, default=0, help="fixes init, data order and dropout")
+    g.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA exists")
+    g.add_argument("--collective_timeout", type=float, default=300, help="seconds a collective may wait for a peer before the run fails (a dead peer ends the run instead of hanging it)")
+    g = p.add_argument_group("batch and optimizer")
+    g.add_argument("--batch_size", type=int, default=64, help="micro-batch per data-parallel rank")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--optimizer", default="adamw", help="adamw | sgd (plain SGD, no momentum)")
+    g.add_argument("--learning_rate", type=float, default=2e-3, help="peak learning rate")
+    g.add_argument("--weight_decay", type=float, default=0.1, help="decoupled weight decay on matrices (not biases, norms)")
+    g.add_argument("--warmup_steps", type=int, default=100, help="linear warm-up, then cosine decay to 10%% of the peak")
+    g.add_argument("--max_grad_norm", type=float, default=1.0, help="clip the global gradient norm (0: no clipping)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model_size", default="small", help=f"preset: {' | '.join(MODEL_PRESETS)}")
+    g.add_argument("--n_layer", type=int, help="override the preset's layer count")
+    g.add_argument("--n_head", type=int, help="override the preset's head count")
+    g.add_argument("--n_embd", type=int, help="override the preset's width")
+    g.add_argument("--block_size", type=int, help="override the preset's context length")
+    g.add_argument("--dropout", type=float, help="dropout probability (default 0)")
+    add_data_args(p)
+    g = p.add_argument_group("logging, evaluation, checkpoints")
+    g.add_argument("--log_every", type=int, default=10, help="write a train record every N steps")
+    g.add_argument("--eval_every", type=int, default=250, help="evaluate every N steps (0: only at the end)")
+    g.add_argument("--eval_batch_size", type=int, default=250, help="evaluation batch per process")
+    g.add_argument("--checkpoint_every", type=int, default=0, help="save a resumable checkpoint every N steps (0: only the final model)")
+    g.add_argument("--keep_last", type=int, default=2, help="keep the newest N checkpoints (0: keep all)")
+    g.add_argument("--resume_from_checkpoint", help="'latest' (newest in OUTPUT_DIR/checkpoints) or a checkpoint directory")
+    g.add_argument("--report_to", default="none", help="Accelerate trackers: none | tensorboard | wandb | all ...")
+    g.add_argument("--peak_flops", type=float, help="the device's peak FLOP/s, for MFU (default: known GPUs only)")
+    return p
+
+
+def check_core_args(args) -> None:
+    """Checks that need nothing but the flags: they run before any process group exists."""
+    from .data import check_data_args
+
+    positive = ("max_steps", "batch_size", "gradient_accumulation_steps", "log_every", "eval_batch_size")
+    for flag in positive:
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} must be at least 1 (got {getattr(args, flag)})")
+    for flag in ("eval_every", "checkpoint_every", "keep_last", "warmup_steps", "max_grad_norm", "weight_decay"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag} must not be negative (got {getattr(args, flag)})")
+    if args.learning_rate <= 0:
+        raise UsageError(f"--learning_rate must be positive (got {args.learning_rate})")
+    if args.collective_timeout <= 0:
+        raise UsageError(f"--collective_timeout must be positive seconds (got {args.collective_timeout})")
+    if args.optimizer not in ("adamw", "sgd"):
+        raise UsageError(f"--optimizer {args.optimizer!r} is not supported: use adamw or sgd")
+    if args.model_size not in MODEL_PRESETS:
+        raise UsageError(f"--model_size {args.model_size!r} is not a preset: choose {', '.join(MODEL_PRESETS)}")
+    for flag in ("n_layer", "n_head", "n_embd", "block_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag} must be at least 1 (got {value})")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1) (got {args.dropout})")
+    check_data_args(args)
+
+
+def check_launch() -> None:
+    """CONVENTIONS pitfall 1: `accelerate launch --cpu --num_processes 2`, or a MULTI_CPU config
+    without an mpirun hostfile, starts ONE process. The launcher leaves a trace: it sets
+    MASTER_ADDR (only done when asked for more than one process or machine) and
+    ACCELERATE_USE_CPU (only its single-process launcher does), but no WORLD_SIZE."""
+    asked_for_more = "MASTER_ADDR" in os.environ and "ACCELERATE_USE_CPU" in os.environ
+    if asked_for_more and world_size_from_env() == 1:
+        raise UsageError(
+            "accelerate launch was asked for several processes but started only one (a --cpu or MULTI_CPU launch without "
+            "an mpirun hostfile does that): use --config_file accelerate_configs/cpu_multi.yaml, or --multi_gpu --num_processes N"
+        )
+
+
+def make_accelerator(args, **accelerator_kwargs):
+    """The Accelerator, with the CPU traps handled:
+    - pitfall 2: a torchrun-style launch (`--multi_gpu`, MULTI_GPU config) on a machine without
+      CUDA starts N processes that each think they are alone, unless told to use the CPU:
+      we pass cpu=True whenever CUDA is missing, and they join one gloo process group;
+    - the collective timeout: a dead peer fails the run after `--collective_timeout` s."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    check_launch()
+    expected = world_size_from_env()
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1; a plain `python` run shares the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    use_cpu = args.cpu or not torch.cuda.is_available()
+    accelerator = Accelerator(
+        cpu=use_cpu,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout))],
+        **accelerator_kwargs,
+    )
+    if accelerator.num_processes != expected:  # never N silent single-process runs
+        raise UsageError(f"the launcher started {expected} processes but they did not join one group (each sees {accelerator.num_processes}): launch with accelerate launch --config_file accelerate_configs/cpu_multi.yaml")
+    return accelerator

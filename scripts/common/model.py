@@ -1,0 +1,165 @@
+"""One GPT-style decoder-only transformer, used unchanged by every strategy.
+
+The model knows nothing about parallelism. Strategies are applied from outside
+(torchtitan's way), which is why its parts are laid out to be easy to cut:
+
+    GPT
+    ├── tok_emb   nn.Embedding(vocab, d)        token embedding   (TP: vocab-parallel)
+    ├── pos_emb   nn.Embedding(block_size, d)   learned positions
+    ├── blocks    nn.ModuleList[Block] * L      indexable: PP splits here
+    │     Block: x + attn(ln_1(x)); x + mlp(ln_2(x))      (pre-LayerNorm)
+    │       attn: q_proj k_proj v_proj (TP: column-wise, heads split) -> SDPA -> o_proj (row-wise)
+    │       mlp:  up_proj (column-wise) -> GELU -> down_proj (row-wise)
+    ├── ln_f      final LayerNorm
+    └── lm_head   nn.Linear(d, vocab)           (TP: column-wise; not tied to tok_emb)
+
+Attention reshapes with `head_dim`, never `n_head`, so a block whose q/k/v were
+sharded column-wise runs on its local heads without knowing it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB_SIZE = 256  # byte-level: every data set is UTF-8 bytes, so no tokenizer download is ever needed
+
+# name: (n_layer, n_head, n_embd, block_size)
+MODEL_PRESETS = {
+    "tiny": (2, 4, 64, 64),  # tests: a 20-step run takes seconds on one core
+    "small": (4, 4, 128, 128),  # the CPU demo (default main job)
+    "gpt2": (12, 12, 768, 1024),  # GPT-2 shapes (85M here: the byte vocabulary has 256 rows, not 50257)
+    "gpt2-medium": (24, 16, 1024, 1024),  # GPT-2 medium shapes (~303M here)
+    "1b": (24, 16, 2048, 2048),  # ~1.2B, for GPUs
+}
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    block_size: int = 64
+    vocab_size: int = VOCAB_SIZE
+    dropout: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        n_layer, n_head, n_embd, block_size = MODEL_PRESETS[name]
+        cfg = cls(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size)
+        for key, value in overrides.items():
+            if value is not None:
+                setattr(cfg, key, value)
+        return cfg
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # (B, T, heads, head_dim) -> (B, heads, T, head_dim); `-1` = however many heads this rank holds
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.down_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L). Seed first: every
+        rank must build the same full model before any strategy shards it."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "ln" in name:
+                nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Returns logits (B, T, vocab). The loss lives outside (`cross_entropy_sum`), so that
+        strategies can normalise it over the whole global batch."""
+        T = input_ids.shape[1]
+        positions = torch.arange(T, device=input_ids.device)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss and the number of targets it covers.
+
+    `labels` is aligned with the inputs (-100 = not a target); position t predicts t+1.
+    Returning a sum, not a mean, lets the caller divide by the target count of the whole
+    optimizer step (all micro-batches, all ranks): per-batch means would weight tokens
+    unequally when batches hold different numbers of targets.
+    """
+    shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
+    shift_labels = labels[:, 1:].reshape(-1)
+    loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+    return loss_sum, (shift_labels != -100).sum()
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N (forward + backward matmuls) + 12·L·d·T (attention scores)."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * seq_len

@@ -1,0 +1,79 @@
+"""Pieces of a training run that every strategy shares: model config from the flags, the
+optimizer, the LR schedule, and the endless stream of micro-batches with a resumable,
+layout-free data position."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .launch import UsageError
+from .model import GPTConfig
+
+
+def model_config_from_args(args) -> GPTConfig:
+    cfg = GPTConfig.from_preset(args.model_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, dropout=args.dropout)
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(f"--n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}: choose a head count that divides the width")
+    return cfg
+
+
+def make_optimizer(model, args) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not biases, norms), or plain SGD."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.learning_rate)
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95))
+
+
+def make_scheduler(optimizer, args, min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up to the peak, then cosine decay to `min_ratio` of it at --max_steps.
+    Counted in optimizer steps, so it is the same for any number of processes."""
+
+    def lr_factor(step: int) -> float:
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+class TrainStream:
+    """Micro-batches, epoch after epoch, from a data position that does not depend on the layout.
+
+    The position is (epoch, samples of that epoch already consumed by the whole run); on resume
+    each rank skips its share of those samples with `accelerator.skip_first_batches`. The
+    loader it returns starts at epoch 0 (CONVENTIONS pitfall 11), so the epoch is set on it
+    again, and on the sampler itself, before every pass.
+    """
+
+    def __init__(self, accelerator, loader, sampler, global_batch_size: int, epoch: int = 0, samples_in_epoch: int = 0):
+        self.accelerator, self.loader, self.sampler = accelerator, loader, sampler
+        self.global_batch_size = global_batch_size
+        self.epoch, self.samples_in_epoch = epoch, samples_in_epoch
+        self.samples_per_epoch = len(sampler)  # a whole number of global batches
+        self._batches = self._iterate()
+
+    def _iterate(self):
+        epoch, skip_samples = self.epoch, self.samples_in_epoch
+        while True:
+            per_rank_micro_batch = self.loader.total_batch_size  # batch_size x processes
+            loader = self.accelerator.skip_first_batches(self.loader, skip_samples // per_rank_micro_batch) if skip_samples else self.loader
+            loader.set_epoch(epoch)  # a new order every epoch; forgetting this repeats epoch 0's
+            self.sampler.set_epoch(epoch)
+            yield from loader
+            epoch, skip_samples = epoch + 1, 0
+
+    def next_step(self, gradient_accumulation_steps: int) -> list:
+        """The micro-batches of one optimizer step (this rank's part of one global batch)."""
+        window = [next(self._batches) for _ in range(gradient_accumulation_steps)]
+        self.samples_in_epoch += self.global_batch_size
+        if self.samples_in_epoch == self.samples_per_epoch:
+            self.epoch, self.samples_in_epoch = self.epoch + 1, 0
+        return window
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch}
