@@ -102,7 +102,9 @@ def main():
     step, start_step, run_start = progress["step"], progress["step"], time.perf_counter()
     bar = tqdm(total=args.max_steps, initial=step, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
     model.train()
-    while step < args.max_steps:
+    last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
+    while step < last_step:
+        step_start = time.perf_counter()
         window = stream.next_step(grad_accum)
         # Normalise by the target count of the whole global batch (all micro-batches, all ranks),
         # not by per-micro-batch means, which weight tokens unequally when counts differ.
@@ -122,7 +124,7 @@ def main():
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        throughput.add(tokens_per_step)
+        throughput.add(tokens_per_step, time.perf_counter() - step_start)
         bar.update(1)
 
         if step % args.log_every == 0 or step == args.max_steps:
@@ -134,26 +136,33 @@ def main():
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
         if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
             result = evaluate(accelerator, model, eval_loader, data.task)  # gather_for_metrics inside
-            metrics.write({"type": "eval", "step": step, **result})
+            metrics.write({"type": "eval", "step": step, **result, "elapsed_s": round(time.perf_counter() - run_start, 2)})
             accelerator.log({k: v for k, v in result.items() if k != "num_samples"}, step=step)
             bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in result.items())) if accelerator.is_main_process else None
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
+        if (args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.stop_at_step:
             state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": dp_size,
                      "seed": args.seed, "model_config": model_config.to_dict()}
             save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
     bar.close()
 
-    export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # every rank; main writes
+    if step == args.max_steps:
+        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # every rank; main writes
     elapsed = time.perf_counter() - run_start
-    peak_mb = accelerator.reduce(torch.tensor(peak_memory_mb(accelerator.device), device=accelerator.device), reduction="max" if False else "sum")
+    peak_mb = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))  # Accelerate: all-gather
     summary = {"type": "summary", "steps": step - start_step, "final_step": step, "time_s": round(elapsed, 2),
-               "tokens_per_sec": round((step - start_step) * tokens_per_step / max(elapsed, 1e-9), 1), "n_params": n_params,
+               **throughput.summary(dp_size), "n_params": n_params,
                "global_batch_size": global_batch_size, "world_size": dp_size,
-               "peak_memory_mb_per_rank": round(peak_memory_mb(accelerator.device), 1), "peak_memory_mb_all_ranks": round(peak_mb.item(), 1),
+               "peak_memory_mb_max_rank": round(peak_mb.max().item(), 1), "peak_memory_mb_all_ranks": round(peak_mb.sum().item(), 1),
                "gradient_allreduce_mb_per_step_per_rank": round(2 * (dp_size - 1) / dp_size * 4 * n_params / 2**20, 3)}
     metrics.write(summary)
-    accelerator.print(f"done: {summary}\nmodel saved to {Path(args.output_dir) / 'model'}; metrics in {metrics.path}")
-    accelerator.end_training()  # Accelerate: closes trackers
+    saved = f"model saved to {Path(args.output_dir) / 'model'}" if step == args.max_steps else f"stopped at step {step}: continue with --resume_from_checkpoint latest"
+    accelerator.print(f"done: {summary}\n{saved}; metrics in {metrics.path}")
+    # Accelerate: closes trackers and destroys the process group. Free the DDP wrapper first, while
+    # every peer is still there: its destructor tears down a gloo group that can wait on a peer.
+    del model, optimizer, scheduler, train_loader, eval_loader, stream
+    accelerator.free_memory()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

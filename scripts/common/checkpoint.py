@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
 from .launch import UsageError
@@ -151,7 +152,10 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dic
     state = json.loads((path / STATE_FILE).read_text())
     model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer))
     to_load = {"model": model_sd, "optim": optim_sd}
-    dcp.load(to_load, checkpoint_id=str(path / "state"))
+    try:
+        dcp.load(to_load, checkpoint_id=str(path / "state"))  # errors are gathered: every rank raises
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise UsageError(f"--resume_from_checkpoint {path}: the model/optimizer state cannot be read ({type(e).__name__}); the checkpoint is damaged") from None
     set_state_dict(model, _unwrap_optimizer(optimizer), model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     rng_file = path / "rng" / f"rank_{accelerator.process_index}.pt"

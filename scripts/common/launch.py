@@ -45,6 +45,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--output_dir", default=None, help="everything the run writes goes here (default: runs/<script>)")
     g.add_argument("--overwrite_output_dir", action="store_true", help="start a new run in an --output_dir that already holds one")
     g.add_argument("--max_steps", type=int, default=1500, help="optimizer steps to run")
+    g.add_argument("--stop_at_step", type=int, help="end this run at step N with a checkpoint, the schedule still aiming at --max_steps (jobs with a time limit)")
     g.add_argument("--seed", type=int, default=0, help="fixes init, data order and dropout")
     g.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA exists")
     g.add_argument("--collective_timeout", type=float, default=300, help="seconds a collective may wait for a peer before the run fails (a dead peer ends the run instead of hanging it)")
@@ -87,6 +88,8 @@ def check_core_args(args) -> None:
     for flag in ("eval_every", "checkpoint_every", "keep_last", "warmup_steps", "max_grad_norm", "weight_decay"):
         if getattr(args, flag) < 0:
             raise UsageError(f"--{flag} must not be negative (got {getattr(args, flag)})")
+    if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
+        raise UsageError(f"--stop_at_step must be between 1 and --max_steps {args.max_steps} (got {args.stop_at_step})")
     if args.learning_rate <= 0:
         raise UsageError(f"--learning_rate must be positive (got {args.learning_rate})")
     if args.collective_timeout <= 0:

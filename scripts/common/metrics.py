@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import math
 import resource
-import time
 from pathlib import Path
 
 import torch
@@ -47,21 +46,31 @@ class MetricsWriter:
 
 
 class Throughput:
-    """Tokens/s and MFU over the steps since the last report."""
+    """Tokens/s and MFU over training-step time only (evaluation and checkpoints excluded):
+    per report window, and over the whole run."""
 
     def __init__(self, flops_per_token: float, peak: float | None):
         self.flops_per_token, self.peak = flops_per_token, peak
-        self.start, self.tokens = time.perf_counter(), 0
+        self.window = [0, 0.0]  # tokens, seconds since the last report
+        self.total = [0, 0.0]
 
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
+    def add(self, tokens: int, seconds: float) -> None:
+        for acc in (self.window, self.total):
+            acc[0] += tokens
+            acc[1] += seconds
+
+    def _figures(self, tokens: int, seconds: float, world_size: int) -> dict:
+        tokens_per_sec = tokens / max(seconds, 1e-9)
+        mfu = tokens_per_sec * self.flops_per_token / (self.peak * world_size) if self.peak else None
+        return {"tokens_per_sec": round(tokens_per_sec, 1), "mfu": None if mfu is None else round(mfu, 4)}
 
     def report(self, world_size: int) -> dict:
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        tokens_per_sec = self.tokens / elapsed
-        mfu = tokens_per_sec * self.flops_per_token / (self.peak * world_size) if self.peak else None
-        self.start, self.tokens = time.perf_counter(), 0
-        return {"tokens_per_sec": round(tokens_per_sec, 1), "mfu": None if mfu is None else round(mfu, 4)}
+        figures = self._figures(*self.window, world_size)
+        self.window = [0, 0.0]
+        return figures
+
+    def summary(self, world_size: int) -> dict:
+        return {**self._figures(*self.total, world_size), "train_time_s": round(self.total[1], 2)}
 
 
 @torch.no_grad()
@@ -88,9 +97,9 @@ def evaluate(accelerator, model, eval_loader, task: str) -> dict:
     model.train()
     rows = torch.cat(rows).double()
     eval_loss = (rows[:, 0].sum() / rows[:, 1].sum()).item()
-    result = {"eval_loss": round(eval_loss, 6), "num_samples": rows.shape[0]}
+    result = {"eval_loss": eval_loss, "num_samples": rows.shape[0]}
     if task == "addition":
-        result["exact_match"] = round(rows[:, 2].mean().item(), 6)
+        result["exact_match"] = rows[:, 2].mean().item()
     else:
         result["perplexity"] = round(math.exp(min(eval_loss, 50)), 4)
     return result

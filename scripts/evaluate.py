@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""Evaluate a saved model (OUTPUT_DIR/model) on its validation split, on any number of processes.
+
+Each process scores its share of the split; `gather_for_metrics` collects the per-sample
+figures and drops the padding Accelerate adds to even out the last batch, so every sample
+is counted exactly once and the result is the same for 1, 2 or 3 processes.
+
+    python scripts/evaluate.py --model_dir runs/ddp/model --generate 5
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/evaluate.py --model_dir runs/ddp/model
+
+The data set is the one the model was trained on (model/data.json); data flags override it.
+Prints one JSON object (eval_loss, exact_match or perplexity, num_samples) and writes it to
+--output_file if given.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
+
+import torch  # noqa: E402
+
+from common.checkpoint import load_exported  # noqa: E402
+from common.data import add_data_args, check_data_args, load_data, make_eval_loader  # noqa: E402
+from common.launch import UsageError, make_accelerator, run_main  # noqa: E402
+from common.metrics import evaluate  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_dir", required=True, help="a saved model: OUTPUT_DIR/model of a training run")
+    p.add_argument("--output_file", help="also write the JSON result here")
+    p.add_argument("--batch_size", type=int, default=250, help="evaluation batch per process")
+    p.add_argument("--generate", type=int, default=0, metavar="N", help="print N greedy samples (addition answers, text continuations)")
+    p.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA exists")
+    p.add_argument("--collective_timeout", type=float, default=300, help="seconds a collective may wait for a peer")
+    add_data_args(p)
+    return p
+
+
+@torch.no_grad()
+def greedy(model, prompt: torch.Tensor, max_new_tokens: int, stop: int | None = None) -> list[int]:
+    ids = prompt[None]
+    for _ in range(max_new_tokens):
+        next_id = model(ids[:, -model.config.block_size :])[0, -1].argmax()
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+        if stop is not None and next_id.item() == stop:
+            break
+    return ids[0, len(prompt) :].tolist()
+
+
+def show_samples(model, validation, task: str, n: int, device) -> None:
+    for row in validation.select(range(min(n, len(validation)))):
+        ids = row["input_ids"].to(device)
+        if task == "addition":
+            answer_start = int((row["labels"] != -100).nonzero()[0])
+            prompt = bytes(ids[:answer_start].tolist()).decode()
+            got = bytes(greedy(model, ids[:answer_start], 12, stop=ord("\n"))).decode().strip()
+            a, b = prompt[:-1].split("+")
+            want = str(int(a) + int(b))
+            print(f"{prompt}{got:<6} i.e. {int(a)} + {int(b)} = {got[::-1]:<5} {'ok' if got[::-1] == want else 'WRONG, want ' + want}")
+        else:
+            prompt = ids[:32]
+            out = bytes(greedy(model, prompt, 96)).decode(errors="replace")
+            print(f"--- prompt: {bytes(prompt.tolist()).decode(errors='replace')!r}\n    continuation: {out!r}")
+
+
+def main():
+    parser = build_parser()
+    known, _ = parser.parse_known_args()
+    model, source = load_exported(known.model_dir)
+    parser.set_defaults(**{k: v for k, v in source.items() if v is not None})  # the training data, unless overridden
+    args = parser.parse_args()
+    if args.batch_size < 1 or args.generate < 0:
+        raise UsageError("--batch_size must be at least 1 and --generate not negative")
+    check_data_args(args)
+    args.report_to, args.output_dir = "none", None
+
+    accelerator = make_accelerator(args)  # Accelerate: process group, device
+    data = load_data(args, accelerator, model.config.block_size)
+    loader = make_eval_loader(data.validation, args.batch_size)
+    model = accelerator.prepare_model(model, evaluation_mode=True)  # Accelerate: to device, no DDP wrapper
+    loader = accelerator.prepare_data_loader(loader)  # Accelerate: each process takes its share
+    result = evaluate(accelerator, model, loader, data.task)
+    if accelerator.is_main_process:
+        print(json.dumps(result))
+        if args.output_file:
+            Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output_file).write_text(json.dumps(result) + "\n")
+        if args.generate:
+            show_samples(model.eval(), data.validation, data.task, args.generate, accelerator.device)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # Accelerate: destroys the process group
+
+
+if __name__ == "__main__":
+    run_main(main)

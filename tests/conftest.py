@@ -1,0 +1,96 @@
+"""Helpers for tests that launch real multi-process jobs on the CPU (gloo).
+
+Every launch gets a free port, loopback networking, one thread per process, a timeout, and
+its whole process group killed if it overruns, so a hung test cannot leave ranks behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+CPU_MULTI = REPO / "accelerate_configs" / "cpu_multi.yaml"
+LAUNCH_TIMEOUT = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(
+        GLOO_SOCKET_IFNAME="lo",  # gloo would otherwise pick an interface itself (pitfall 8)
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        TQDM_DISABLE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("ACCELERATE_CONFIG_FILE", None)
+    env.update(extra)
+    return env
+
+
+def run_cmd(cmd: list[str], timeout: float = LAUNCH_TIMEOUT, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command in its own session; on timeout kill every process it started."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env or job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def launch_cmd(script: str, args: list[str], nproc: int = 1) -> list[str]:
+    """`python scripts/X.py` for one process; `accelerate launch` with cpu_multi.yaml for more."""
+    path = str(SCRIPTS / script)
+    if nproc == 1:
+        return [sys.executable, path, *args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_MULTI),
+            "--num_processes", str(nproc), "--main_process_port", str(free_port()), path, *args]
+
+
+def launch(script: str, args: list[str], nproc: int = 1, check: bool = True, timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
+    result = run_cmd(launch_cmd(script, args, nproc), timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}: {' '.join(result.args)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def read_metrics(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(output_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(output_dir) if r["type"] == "train"}
+
+
+def assert_same_losses(a: dict, b: dict, steps, tol: float) -> None:
+    missing = [s for s in steps if s not in a or s not in b]
+    assert not missing, f"steps missing from metrics: {missing}"
+    worst = max(steps, key=lambda s: abs(a[s] - b[s]))
+    assert abs(a[worst] - b[worst]) <= tol, f"step {worst}: {a[worst]} vs {b[worst]} (|diff| {abs(a[worst] - b[worst]):.3g} > {tol})"
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> str:
+    """One data cache for the session: the built-in sets are built once."""
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+# Common flags of the small runs the tests compare: tiny model, fp32, a loss record every step.
+TINY = ["--model_size", "tiny", "--log_every", "1", "--eval_every", "0", "--warmup_steps", "5"]

@@ -1,0 +1,113 @@
+"""Bad input: one clear line naming the problem, exit != 0, nothing overwritten."""
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import TINY, launch
+
+
+def tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def assert_refused(result, *needles: str) -> None:
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data_cache):
+    """A short run with checkpoints at steps 2 and 4 and a final model."""
+    out = tmp_path_factory.mktemp("bad_input") / "run"
+    launch("train_ddp.py", [*TINY, "--max_steps", "4", "--checkpoint_every", "2", "--keep_last", "0", "--data_cache_dir", data_cache, "--output_dir", str(out)])
+    return out
+
+
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--dataset", "imagenet"], ["--dataset 'imagenet'", "addition or pystdlib"]),
+        (["--train_file", "no/such/file.txt"], ["--train_file no/such/file.txt", "no such file"]),
+        (["--validation_file", "tests/test_bad_input.py"], ["--validation_file needs --train_file"]),
+        (["--batch_size", "0"], ["--batch_size must be at least 1"]),
+        (["--block_size", "8"], ["--block_size 8 is shorter than one addition problem"]),
+        (["--model_size", "huge"], ["--model_size 'huge'"]),
+        (["--n_head", "5"], ["--n_embd 64 is not divisible by --n_head 5"]),
+        (["--resume_from_checkpoint", "latest"], ["--resume_from_checkpoint latest: no checkpoint"]),
+    ],
+)
+def test_refused_before_any_work(flags, needles, tmp_path, data_cache):
+    out = tmp_path / "run"
+    result = launch("train_ddp.py", [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out), *flags], check=False)
+    assert_refused(result, *needles)
+    assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
+
+
+def test_block_size_longer_than_the_data(tmp_path, data_cache):
+    text = tmp_path / "small.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 3)  # 87 bytes
+    result = launch("train_ddp.py", [*TINY, "--train_file", str(text), "--validation_file", str(text), "--block_size", "64",
+                                     "--data_cache_dir", data_cache, "--output_dir", str(tmp_path / "run")], check=False)
+    assert_refused(result, "--batch_size" if False else "samples, fewer than one global batch")
+
+
+def test_block_size_longer_than_the_validation_data(tmp_path, data_cache):
+    train, val = tmp_path / "train.txt", tmp_path / "val.txt"
+    train.write_text("x = 1\n" * 2000)
+    val.write_text("y = 2\n")
+    result = launch("train_ddp.py", [*TINY, "--train_file", str(train), "--validation_file", str(val), "--block_size", "32",
+                                     "--data_cache_dir", data_cache, "--output_dir", str(tmp_path / "run")], check=False)
+    assert_refused(result, "--block_size 32 is longer than the validation split allows")
+
+
+def test_new_run_does_not_overwrite_an_old_one(finished_run, data_cache):
+    before = tree_digest(finished_run)
+    result = launch("train_ddp.py", [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(finished_run)], check=False)
+    assert_refused(result, "already holds a run", "--overwrite_output_dir")
+    assert tree_digest(finished_run) == before
+
+
+def test_resume_with_another_model_size_is_refused(finished_run, data_cache):
+    before = tree_digest(finished_run)
+    result = launch("train_ddp.py", [*TINY, "--n_layer", "3", "--max_steps", "6", "--data_cache_dir", data_cache, "--output_dir", str(finished_run),
+                                     "--resume_from_checkpoint", "latest"], check=False)
+    assert_refused(result, "saved by another model", "n_layer 2 vs 3")
+    assert tree_digest(finished_run) == before
+
+
+def test_resume_with_another_global_batch_is_refused(finished_run, data_cache):
+    before = tree_digest(finished_run)
+    result = launch("train_ddp.py", [*TINY, "--batch_size", "32", "--max_steps", "6", "--data_cache_dir", data_cache, "--output_dir", str(finished_run),
+                                     "--resume_from_checkpoint", "latest"], check=False)
+    assert_refused(result, "global batch 64, this run has 32")
+    assert tree_digest(finished_run) == before
+
+
+@pytest.mark.parametrize("damage", ["no_metadata", "bad_state_json", "truncated_shard", "not_a_checkpoint"])
+def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_path, data_cache):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    ckpt = run / "checkpoints" / "step_4"
+    if damage == "no_metadata":
+        (ckpt / "state" / ".metadata").unlink()
+    elif damage == "bad_state_json":
+        (ckpt / "trainer_state.json").write_text('{"step": 4, "mod')
+    elif damage == "truncated_shard":
+        shard = next((ckpt / "state").glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        ckpt = run / "model"
+    before = tree_digest(run)
+    result = launch("train_ddp.py", [*TINY, "--max_steps", "6", "--data_cache_dir", data_cache, "--output_dir", str(run), "--resume_from_checkpoint", str(ckpt)], check=False)
+    assert_refused(result, f"--resume_from_checkpoint {ckpt}")
+    assert tree_digest(run) == before

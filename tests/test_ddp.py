@@ -1,0 +1,125 @@
+"""train_ddp.py against the single-process reference: real multi-process CPU launches (gloo)."""
+import json
+from pathlib import Path
+
+import pytest
+from conftest import (TINY, assert_same_losses, free_port, job_env, launch, launch_cmd, read_metrics, run_cmd,
+                      train_losses)
+
+STEPS = list(range(1, 21))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    """Global batch 16 for 20 steps on 3-digit addition, three ways. Answers have 4 or 5 target
+    tokens, so ranks and micro-batches hold unequal target counts (CONVENTIONS pitfall 10)."""
+    root = tmp_path_factory.mktemp("ddp")
+    common = [*TINY, "--max_steps", "20", "--data_cache_dir", data_cache, "--eval_every", "10", "--eval_batch_size", "64"]
+    out = {name: root / name for name in ("one", "two", "two_accum")}
+    launch("train_ddp.py", [*common, "--batch_size", "16", "--output_dir", str(out["one"])], nproc=1)
+    launch("train_ddp.py", [*common, "--batch_size", "8", "--output_dir", str(out["two"])], nproc=2)
+    launch("train_ddp.py", [*common, "--batch_size", "4", "--gradient_accumulation_steps", "2", "--output_dir", str(out["two_accum"])], nproc=2)
+    return out
+
+
+def test_two_processes_match_one(runs):
+    one, two = read_metrics(runs["one"]), read_metrics(runs["two"])
+    assert {r["world_size"] for r in two if r["type"] == "train"} == {2}, "the launch did not start 2 ranks"
+    assert {r["global_batch_size"] for r in one + two if r["type"] == "train"} == {16}
+    assert_same_losses(train_losses(runs["one"]), train_losses(runs["two"]), STEPS, tol=1e-5)
+    losses = train_losses(runs["one"])
+    assert losses[20] < losses[1] - 0.3, "the model did not learn"
+
+
+def test_gradient_accumulation_matches_whole_batch(runs):
+    assert_same_losses(train_losses(runs["one"]), train_losses(runs["two_accum"]), STEPS, tol=1e-5)
+
+
+def test_in_run_eval_is_layout_free(runs):
+    evals = {name: [r for r in read_metrics(path) if r["type"] == "eval"] for name, path in runs.items()}
+    for name in ("two", "two_accum"):
+        for a, b in zip(evals["one"], evals[name], strict=True):
+            assert a["num_samples"] == b["num_samples"] == 1000
+            assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-5 and a["exact_match"] == b["exact_match"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_evaluate_counts_each_sample_once(runs, nproc, tmp_path):
+    """1000 validation samples, batch 64: neither 2 x 64 nor 3 processes divide it."""
+    final = [r for r in read_metrics(runs["two"]) if r["type"] == "eval"][-1]
+    out = tmp_path / "eval.json"
+    launch("evaluate.py", ["--model_dir", str(runs["two"] / "model"), "--batch_size", "64", "--output_file", str(out)], nproc=nproc)
+    result = json.loads(out.read_text())
+    assert result["num_samples"] == 1000
+    assert abs(result["eval_loss"] - final["eval_loss"]) < 1e-5
+    assert result["exact_match"] == final["exact_match"]
+
+
+def test_resume_is_exact(tmp_path, data_cache):
+    """20 steps straight vs 10, stop, resume, 10 more: on 2 processes, 1-digit addition (90 train
+    samples, global batch 12: 7 steps an epoch), so the stop falls mid-epoch and the run crosses
+    epochs. Warm-up ends at step 5, so the LR schedule matters too."""
+    args = [*TINY, "--max_steps", "20", "--addition_digits", "1", "--batch_size", "6", "--data_cache_dir", data_cache, "--checkpoint_every", "5", "--keep_last", "2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch("train_ddp.py", [*args, "--output_dir", str(straight)], nproc=2)
+    launch("train_ddp.py", [*args, "--output_dir", str(resumed), "--stop_at_step", "10"], nproc=2)
+    assert not (resumed / "model").exists(), "a stopped run must not export a final model"
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step_10", "step_5"]
+    (resumed / "checkpoints" / ".tmp_step_15").mkdir()  # what an interrupted save leaves: never 'latest'
+    launch("train_ddp.py", [*args, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"], nproc=2)
+    a, b = train_losses(straight), train_losses(resumed)
+    assert sorted(b) == STEPS, "the resumed run must append steps 11-20 to the same metrics.jsonl"
+    assert_same_losses(a, b, list(range(11, 21)), tol=1e-6)
+    assert max(r["epoch"] for r in read_metrics(straight) if r["type"] == "train") >= 2
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if not p.name.startswith(".")) == ["step_15", "step_20"]
+    assert (resumed / "model" / "model.safetensors").is_file()
+
+
+def test_two_machines_on_loopback_match_one_machine(runs, tmp_path, data_cache):
+    """--num_machines 2, machine ranks 0 and 1, one process each, against 2 processes on one machine."""
+    out, port = tmp_path / "two_machines", free_port()
+    args = [*TINY, "--max_steps", "20", "--data_cache_dir", data_cache, "--eval_every", "10", "--eval_batch_size", "64", "--batch_size", "8", "--output_dir", str(out)]
+    import subprocess
+    import sys
+
+    procs = []
+    for machine_rank in (0, 1):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
+               "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               "--rdzv_backend", "static", "--mixed_precision", "no", "--dynamo_backend", "no", str(Path("scripts") / "train_ddp.py"), *args]
+        procs.append(subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                import os
+                import signal
+
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    assert {r["world_size"] for r in read_metrics(out) if r["type"] == "train"} == {2}
+    assert_same_losses(train_losses(runs["two"]), train_losses(out), STEPS, tol=1e-5)
+
+
+def test_launch_that_starts_one_process_is_refused(tmp_path):
+    """Pitfall 1: `accelerate launch --cpu --num_processes 2` starts ONE process: say so, don't train."""
+    out = tmp_path / "run"
+    cmd = [launch_cmd("train_ddp.py", [])[0], "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py", "--model_size", "tiny", "--output_dir", str(out)]
+    result = run_cmd(cmd)
+    assert result.returncode != 0
+    assert "error: accelerate launch was asked for several processes but started only one" in result.stderr
+    assert not out.exists()
+
+
+def test_multi_gpu_launch_without_cuda_joins_one_group(tmp_path, data_cache):
+    """Pitfall 2: a torchrun-style launch on a CPU-only machine must give 2 ranks of ONE run, not 2 runs."""
+    out = tmp_path / "run"
+    cmd = [launch_cmd("train_ddp.py", [])[0], "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py",
+           *TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out)]
+    result = run_cmd(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es)" in result.stdout and result.stdout.count("train_ddp: ") == 1
+    assert {r["world_size"] for r in read_metrics(out) if r["type"] == "train"} == {2}
