@@ -23,12 +23,12 @@ import torch  # noqa: E402
 
 from common.checkpoint import load_exported  # noqa: E402
 from common.data import add_data_args, check_data_args, load_data, make_eval_loader  # noqa: E402
-from common.launch import UsageError, make_accelerator, run_main  # noqa: E402
+from common.launch import HelpFormatter, UsageError, make_accelerator, run_main  # noqa: E402
 from common.metrics import evaluate  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model_dir", required=True, help="a saved model: OUTPUT_DIR/model of a training run")
     p.add_argument("--output_file", help="also write the JSON result here")
     p.add_argument("--batch_size", type=int, default=250, help="evaluation batch per process")

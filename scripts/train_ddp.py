@@ -83,7 +83,7 @@ def main():
     progress = {"step": 0, "epoch": 0, "samples_in_epoch": 0}
     if resume_path:
         progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, progress["epoch"], progress["samples_in_epoch"])
+    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress["epoch"], progress["samples_in_epoch"])
 
     n_params = count_parameters(model)
     tokens_per_step = global_batch_size * data.seq_len
@@ -105,11 +105,9 @@ def main():
     last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
     while step < last_step:
         step_start = time.perf_counter()
-        window = stream.next_step(grad_accum)
-        # Normalise by the target count of the whole global batch (all micro-batches, all ranks),
-        # not by per-micro-batch means, which weight tokens unequally when counts differ.
-        local_targets = sum((mb["labels"][:, 1:] != -100).sum() for mb in window)
-        global_targets = accelerator.reduce(local_targets, reduction="sum")  # Accelerate: all-reduce
+        # The loss is normalised by the target count of the whole global batch (all micro-batches,
+        # all ranks), not by per-micro-batch means, which weight tokens unequally when counts differ.
+        window, global_targets = stream.next_step()
         step_loss_sum = torch.zeros((), device=accelerator.device)
         for mb in window:
             with accelerator.accumulate(model):  # Accelerate: skips DDP's all-reduce until the last micro-batch
@@ -144,6 +142,7 @@ def main():
                      "seed": args.seed, "model_config": model_config.to_dict()}
             save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
     bar.close()
+    stream.close()
 
     if step == args.max_steps:
         export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # every rank; main writes

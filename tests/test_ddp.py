@@ -1,17 +1,19 @@
 """train_ddp.py against the single-process reference: real multi-process CPU launches (gloo)."""
 import json
-from pathlib import Path
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
-from conftest import (TINY, assert_same_losses, free_port, job_env, launch, launch_cmd, read_metrics, run_cmd,
-                      train_losses)
+from conftest import REPO, TINY, assert_same_losses, free_port, job_env, launch, read_metrics, run_cmd, train_losses
 
 STEPS = list(range(1, 21))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
-    """Global batch 16 for 20 steps on 3-digit addition, three ways. Answers have 4 or 5 target
+    """Global batch 16 for 20 steps on 3-digit addition, three ways. Answers have 2 to 5 target
     tokens, so ranks and micro-batches hold unequal target counts (CONVENTIONS pitfall 10)."""
     root = tmp_path_factory.mktemp("ddp")
     common = [*TINY, "--max_steps", "20", "--data_cache_dir", data_cache, "--eval_every", "10", "--eval_batch_size", "64"]
@@ -79,23 +81,17 @@ def test_two_machines_on_loopback_match_one_machine(runs, tmp_path, data_cache):
     """--num_machines 2, machine ranks 0 and 1, one process each, against 2 processes on one machine."""
     out, port = tmp_path / "two_machines", free_port()
     args = [*TINY, "--max_steps", "20", "--data_cache_dir", data_cache, "--eval_every", "10", "--eval_batch_size", "64", "--batch_size", "8", "--output_dir", str(out)]
-    import subprocess
-    import sys
-
     procs = []
     for machine_rank in (0, 1):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
                "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-               "--rdzv_backend", "static", "--mixed_precision", "no", "--dynamo_backend", "no", str(Path("scripts") / "train_ddp.py"), *args]
-        procs.append(subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+               "--rdzv_backend", "static", "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py", *args]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
     try:
         logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
-                import os
-                import signal
-
                 os.killpg(p.pid, signal.SIGKILL)
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     assert {r["world_size"] for r in read_metrics(out) if r["type"] == "train"} == {2}
@@ -105,7 +101,7 @@ def test_two_machines_on_loopback_match_one_machine(runs, tmp_path, data_cache):
 def test_launch_that_starts_one_process_is_refused(tmp_path):
     """Pitfall 1: `accelerate launch --cpu --num_processes 2` starts ONE process: say so, don't train."""
     out = tmp_path / "run"
-    cmd = [launch_cmd("train_ddp.py", [])[0], "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py", "--model_size", "tiny", "--output_dir", str(out)]
     result = run_cmd(cmd)
     assert result.returncode != 0
@@ -116,7 +112,7 @@ def test_launch_that_starts_one_process_is_refused(tmp_path):
 def test_multi_gpu_launch_without_cuda_joins_one_group(tmp_path, data_cache):
     """Pitfall 2: a torchrun-style launch on a CPU-only machine must give 2 ranks of ONE run, not 2 runs."""
     out = tmp_path / "run"
-    cmd = [launch_cmd("train_ddp.py", [])[0], "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py",
            *TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out)]
     result = run_cmd(cmd)

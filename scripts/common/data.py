@@ -37,13 +37,13 @@ FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv
 
 def add_data_args(parser) -> None:
     g = parser.add_argument_group("data")
-    g.add_argument("--dataset", default="addition", help=f"built-in data set: {' | '.join(BUILTIN_DATASETS)} (default: addition)")
+    g.add_argument("--dataset", default="addition", help=f"built-in data set: {' | '.join(BUILTIN_DATASETS)}")
     g.add_argument("--addition_digits", type=int, default=3, help="digits per operand of the addition set")
     g.add_argument("--dataset_name", help="a 🤗 hub data set (or a local folder laid out like one); replaces --dataset")
     g.add_argument("--dataset_config", help="configuration name of --dataset_name")
     g.add_argument("--text_column", default="text", help="column holding the text (hub and local files)")
     g.add_argument("--train_file", help="local training file: .txt, .json/.jsonl or .csv; replaces --dataset")
-    g.add_argument("--validation_file", help="local validation file (default: the last 5%% of --train_file)")
+    g.add_argument("--validation_file", help="local validation file (None: the last 5%% of --train_file)")
     g.add_argument("--data_cache_dir", default=str(DEFAULT_CACHE_DIR), help="where built data and 🤗 caches go")
 
 

@@ -36,13 +36,17 @@ def world_size_from_env() -> int:
     return 1
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the docstring's pictures as they are and shows every default."""
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The core flags of the script contract (../shared/CONVENTIONS.md); scripts add their own."""
     from .data import add_data_args
 
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("run")
-    g.add_argument("--output_dir", default=None, help="everything the run writes goes here (default: runs/<script>)")
+    g.add_argument("--output_dir", default=None, help="everything the run writes goes here (None: runs/<strategy>)")
     g.add_argument("--overwrite_output_dir", action="store_true", help="start a new run in an --output_dir that already holds one")
     g.add_argument("--max_steps", type=int, default=1500, help="optimizer steps to run")
     g.add_argument("--stop_at_step", type=int, help="end this run at step N with a checkpoint, the schedule still aiming at --max_steps (jobs with a time limit)")
@@ -63,7 +67,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--n_head", type=int, help="override the preset's head count")
     g.add_argument("--n_embd", type=int, help="override the preset's width")
     g.add_argument("--block_size", type=int, help="override the preset's context length")
-    g.add_argument("--dropout", type=float, help="dropout probability (default 0)")
+    g.add_argument("--dropout", type=float, help="dropout probability (None: the preset's, 0)")
     add_data_args(p)
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log_every", type=int, default=10, help="write a train record every N steps")

@@ -1,0 +1,112 @@
+"""The data module: built-in sets, local files and hub-style folders through one load_dataset path."""
+import argparse
+import csv
+import hashlib
+import json
+import sys
+
+import pytest
+from accelerate import PartialState
+from conftest import REPO, TINY, launch, read_metrics
+
+sys.path.insert(0, str(REPO / "scripts"))
+from common.data import add_data_args, build_addition, load_data  # noqa: E402
+from common.launch import UsageError  # noqa: E402
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(200))
+
+
+def data_args(cache, *flags):
+    parser = argparse.ArgumentParser()
+    add_data_args(parser)
+    return parser.parse_args(["--data_cache_dir", str(cache), *flags])
+
+
+@pytest.fixture(scope="module")
+def state():
+    return PartialState(cpu=True)
+
+
+def test_addition_is_deterministic_disjoint_and_masked(tmp_path, state):
+    files = build_addition(tmp_path / "a", 3)
+    again = build_addition(tmp_path / "b", 3)
+    for split in files:
+        assert hashlib.sha256(files[split].read_bytes()).digest() == hashlib.sha256(again[split].read_bytes()).digest()
+    train = {json.loads(line)["text"] for line in files["train"].read_text().splitlines()}
+    val = {json.loads(line)["text"] for line in files["validation"].read_text().splitlines()}
+    assert len(train) == 100_000 and len(val) == 1_000 and not train & val
+    for text in list(val)[:50]:
+        prompt, answer = text.split("=")
+        a, b = prompt.split("+")
+        assert len(a) == len(b) == 3 and int(answer.strip()[::-1]) == int(a) + int(b)
+
+    data = load_data(data_args(tmp_path / "a"), state, block_size=64)
+    assert data.task == "addition" and data.seq_len == 13 and len(data.validation) == 1000
+    row = data.validation[0]
+    text = bytes(row["input_ids"][row["input_ids"] != 0].tolist()).decode()
+    targets = bytes(row["labels"][row["labels"] != -100].tolist()).decode()
+    assert text.endswith(targets) and targets.endswith("\n") and "=" not in targets
+    counts = {int((data.validation[i]["labels"] != -100).sum()) for i in range(len(data.validation))}
+    assert {4, 5} <= counts <= {2, 3, 4, 5}, "answers of 1 to 4 digits (+ newline): unequal target counts"
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".csv"])
+def test_local_files_pack_the_same_bytes(tmp_path, state, suffix):
+    docs = TEXT.split("\n\n")
+    train, val = tmp_path / f"train{suffix}", tmp_path / f"val{suffix}"
+    for path, part in ((train, docs[:150]), (val, docs[150:])):
+        if suffix == ".txt":
+            path.write_text("\n".join(part) + "\n")
+        elif suffix == ".jsonl":
+            path.write_text("".join(json.dumps({"content": d}) + "\n" for d in part))
+        else:
+            with open(path, "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(["content"])
+                writer.writerows([d] for d in part)
+    column = [] if suffix == ".txt" else ["--text_column", "content"]
+    data = load_data(data_args(tmp_path / "cache", "--train_file", str(train), "--validation_file", str(val), *column), state, block_size=32)
+    assert data.task == "text" and data.seq_len == 32
+    assert len(data.train) > 10 and len(data.validation) > 2
+    first = bytes(data.train[0]["input_ids"].tolist()).decode()
+    assert first == "def f0(x):\n    return x * 0 + 0\ndef f1(x):"[:32], "every format gives the same byte stream"
+    assert (data.train[0]["labels"] == data.train[0]["input_ids"]).all(), "packed text: every byte is a target"
+
+
+def test_hub_style_folder_and_held_out_validation(tmp_path, state):
+    folder = tmp_path / "my_dataset"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in TEXT.split("\n\n")[:150]))
+    (folder / "validation.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in TEXT.split("\n\n")[150:]))
+    data = load_data(data_args(tmp_path / "cache", "--dataset_name", str(folder)), state, block_size=32)
+    assert len(data.train) > 10 and len(data.validation) > 2
+
+    only_train = tmp_path / "only_train.txt"
+    only_train.write_text(TEXT)
+    data = load_data(data_args(tmp_path / "cache", "--train_file", str(only_train)), state, block_size=32)
+    assert len(data.validation) >= 1 and len(data.train) > 10 * len(data.validation) // 2
+
+
+def test_missing_hub_dataset_is_one_clear_error(tmp_path, state):
+    with pytest.raises(UsageError, match="could not load --dataset_name"):
+        load_data(data_args(tmp_path / "cache", "--dataset_name", str(tmp_path / "nowhere")), state, block_size=32)
+    with pytest.raises(UsageError, match="--text_column 'body' not found"):
+        text = tmp_path / "t.jsonl"
+        text.write_text(json.dumps({"text": "x" * 100}) + "\n")
+        load_data(data_args(tmp_path / "cache", "--train_file", str(text), "--validation_file", str(text), "--text_column", "body"), state, block_size=8)
+
+
+def test_pystdlib_builds_from_this_python(tmp_path, state):
+    data = load_data(data_args(tmp_path / "cache", "--dataset", "pystdlib"), state, block_size=128)
+    assert data.task == "text" and len(data.train) > 10_000 and len(data.validation) > 500
+
+
+def test_text_training_on_two_processes_reports_perplexity(tmp_path, data_cache):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": d}) + "\n" for d in TEXT.split("\n\n")))
+    out = tmp_path / "run"
+    launch("train_ddp.py", [*TINY, "--train_file", str(train), "--block_size", "32", "--batch_size", "4", "--max_steps", "6",
+                            "--data_cache_dir", data_cache, "--report_to", "tensorboard", "--output_dir", str(out)], nproc=2)
+    evals = [r for r in read_metrics(out) if r["type"] == "eval"]
+    assert evals and "perplexity" in evals[-1] and "exact_match" not in evals[-1]
+    assert list(out.rglob("events.out.tfevents.*")), "--report_to tensorboard wrote no event file"
