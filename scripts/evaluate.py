@@ -51,7 +51,7 @@ def greedy(model, prompt: torch.Tensor, max_new_tokens: int, stop: int | None = 
 
 
 def show_samples(model, validation, task: str, n: int, device) -> None:
-    for row in validation.select(range(min(n, len(validation)))):
+    for row in (validation[i] for i in range(min(n, len(validation)))):
         ids = row["input_ids"].to(device)
         if task == "addition":
             answer_start = int((row["labels"] != -100).nonzero()[0])

@@ -33,7 +33,7 @@ from common.checkpoint import (  # noqa: E402
 )
 from common.data import data_source, load_data, make_eval_loader, make_train_loader  # noqa: E402
 from common.launch import build_parser, check_core_args, make_accelerator, run_main  # noqa: E402
-from common.metrics import MetricsWriter, Throughput, evaluate, peak_flops, peak_memory_mb  # noqa: E402
+from common.metrics import MetricsWriter, Throughput, evaluate, peak_flops, peak_memory_mb, ring_allreduce_bytes  # noqa: E402
 from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token  # noqa: E402
 from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args  # noqa: E402
 
@@ -86,6 +86,7 @@ def main():
     stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress["epoch"], progress["samples_in_epoch"])
 
     n_params = count_parameters(model)
+    allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
     tokens_per_step = global_batch_size * data.seq_len
     throughput = Throughput(flops_per_token(model_config, n_params, data.seq_len), peak_flops(accelerator.device, args.peak_flops))
     metrics = MetricsWriter(args.output_dir, accelerator.is_main_process)
@@ -95,7 +96,7 @@ def main():
         f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters, {model_config.n_layer} layers x {model_config.n_embd} wide\n"
         f"  data {data.task}: {len(data.train)} train / {len(data.validation)} validation samples of {data.seq_len} tokens\n"
         f"  global batch = {args.batch_size} per rank x {dp_size} ranks x {grad_accum} accumulation = {global_batch_size} samples\n"
-        f"  gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB = {2 * (dp_size - 1) / dp_size * 4 * n_params / 2**20:.1f} MiB"
+        f"  gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB = {allreduce_mib:.1f} MiB"
         + (f"\n  resuming from {resume_path} at step {progress['step']}" if resume_path else "")
     )
 
@@ -136,7 +137,8 @@ def main():
             result = evaluate(accelerator, model, eval_loader, data.task)  # gather_for_metrics inside
             metrics.write({"type": "eval", "step": step, **result, "elapsed_s": round(time.perf_counter() - run_start, 2)})
             accelerator.log({k: v for k, v in result.items() if k != "num_samples"}, step=step)
-            bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in result.items())) if accelerator.is_main_process else None
+            if accelerator.is_main_process:
+                bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in result.items()))
         if (args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.stop_at_step:
             state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": dp_size,
                      "seed": args.seed, "model_config": model_config.to_dict()}
@@ -152,7 +154,7 @@ def main():
                **throughput.summary(dp_size), "n_params": n_params,
                "global_batch_size": global_batch_size, "world_size": dp_size,
                "peak_memory_mb_max_rank": round(peak_mb.max().item(), 1), "peak_memory_mb_all_ranks": round(peak_mb.sum().item(), 1),
-               "gradient_allreduce_mb_per_step_per_rank": round(2 * (dp_size - 1) / dp_size * 4 * n_params / 2**20, 3)}
+               "gradient_allreduce_mib_per_step_per_rank": round(allreduce_mib, 3)}
     metrics.write(summary)
     saved = f"model saved to {Path(args.output_dir) / 'model'}" if step == args.max_steps else f"stopped at step {step}: continue with --resume_from_checkpoint latest"
     accelerator.print(f"done: {summary}\n{saved}; metrics in {metrics.path}")

@@ -101,6 +101,20 @@ def test_pystdlib_builds_from_this_python(tmp_path, state):
     assert data.task == "text" and len(data.train) > 10_000 and len(data.validation) > 500
 
 
+def test_large_splits_stay_memory_mapped(tmp_path, state, monkeypatch):
+    """Small splits are read into tensors; large ones stay 🤗 datasets: both give the same rows."""
+    import common.data
+
+    small = load_data(data_args(tmp_path / "cache"), state, block_size=64)
+    monkeypatch.setattr(common.data, "IN_MEMORY_MAX_TOKENS", 0)
+    large = load_data(data_args(tmp_path / "cache"), state, block_size=64)
+    assert type(small.train).__name__ == "TensorRows" and type(large.train).__name__ == "Dataset"
+    for i in (0, 7, len(large.validation) - 1):
+        for column in ("input_ids", "labels"):
+            assert (small.validation[i][column] == large.validation[i][column]).all()
+            assert small.validation[i][column].dtype == large.validation[i][column].dtype == common.data.torch.int64
+
+
 def test_text_training_on_two_processes_reports_perplexity(tmp_path, data_cache):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"text": d}) + "\n" for d in TEXT.split("\n\n")))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .launch import UsageError
 
@@ -33,6 +33,7 @@ DEFAULT_CACHE_DIR = REPO_ROOT / "data" / "cache"
 BUILTIN_DATASETS = ("addition", "pystdlib")
 ADDITION_SIZES = {"train": 100_000, "validation": 1_000}
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+IN_MEMORY_MAX_TOKENS = 256 * 2**20  # per split: 1 GiB of int16 tensors (x2 columns) per process at most
 
 
 def add_data_args(parser) -> None:
@@ -73,7 +74,7 @@ def data_source(args) -> dict:
 
 @dataclass
 class Data:
-    train: object  # datasets.Dataset with torch format: input_ids, labels
+    train: object  # rows of {"input_ids", "labels"} tensors: TensorRows, or a 🤗 Dataset if large
     validation: object
     task: str  # "addition" (exact match) or "text" (perplexity)
     seq_len: int
@@ -215,7 +216,26 @@ def load_data(args, accelerator, block_size: int) -> Data:
             n_bytes = sum(len(str(t).encode()) for t in raw[name][args.text_column])
             raise UsageError(f"--block_size {block_size} is longer than the {name} split allows ({n_bytes} bytes give no full block): lower --block_size or add data")
         split.set_format("torch", columns=["input_ids", "labels"])
+        if len(split) * seq_len <= IN_MEMORY_MAX_TOKENS:
+            splits[name] = TensorRows(split)
     return Data(train=splits["train"], validation=splits["validation"], task="addition" if is_addition else "text", seq_len=seq_len)
+
+
+class TensorRows(Dataset):
+    """A tokenised split held as two in-memory int16 tensors (bytes and -100 fit). Reading a batch
+    from them takes microseconds; formatting it from the 🤗 dataset took ~2 ms, 3% of a CPU
+    training step. Splits over IN_MEMORY_MAX_TOKENS stay memory-mapped 🤗 datasets."""
+
+    def __init__(self, split):
+        columns = split[:]
+        self.input_ids = columns["input_ids"].to(torch.int16)
+        self.labels = columns["labels"].to(torch.int16)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.input_ids[i].long(), "labels": self.labels[i].long()}
 
 
 # ---------------------------------------------------------------- data loaders

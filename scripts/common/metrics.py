@@ -30,6 +30,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def ring_allreduce_bytes(n_bytes: float, n_ranks: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce: reduce-scatter then all-gather,
+    each moving (N-1)/N of the buffer."""
+    return 2 * (n_ranks - 1) / n_ranks * n_bytes
+
+
 class MetricsWriter:
     """metrics.jsonl, one JSON object a line, written by the main process only."""
 
