@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,13 +43,28 @@ def job_env(**extra) -> dict:
     return env
 
 
+def kill_tree(pid: int) -> None:
+    """Kill a launcher and every process under it: torchrun starts its workers in sessions of
+    their own, so killing the launcher's process group would leave them running."""
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
 def run_cmd(cmd: list[str], timeout: float = LAUNCH_TIMEOUT, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command in its own session; on timeout kill every process it started."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env or job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

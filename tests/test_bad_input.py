@@ -55,10 +55,10 @@ def test_refused_before_any_work(flags, needles, tmp_path, data_cache):
 
 def test_block_size_longer_than_the_data(tmp_path, data_cache):
     text = tmp_path / "small.txt"
-    text.write_text("def f(x):\n    return x + 1\n" * 3)  # 87 bytes
+    text.write_text("def f(x):\n    return x + 1\n" * 3)  # 81 bytes
     result = launch("train_ddp.py", [*TINY, "--train_file", str(text), "--validation_file", str(text), "--block_size", "128",
                                      "--data_cache_dir", data_cache, "--output_dir", str(tmp_path / "run")], check=False)
-    assert_refused(result, "--block_size 128 is longer than the train split allows (87 bytes")
+    assert_refused(result, "--block_size 128 is longer than the train split allows (81 bytes")
 
 
 def test_fewer_samples_than_one_global_batch(tmp_path, data_cache):

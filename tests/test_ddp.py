@@ -1,12 +1,12 @@
 """train_ddp.py against the single-process reference: real multi-process CPU launches (gloo)."""
 import json
-import os
-import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
-from conftest import REPO, TINY, assert_same_losses, free_port, job_env, launch, read_metrics, run_cmd, train_losses
+from conftest import REPO, TINY, assert_same_losses, free_port, job_env, kill_tree, launch, read_metrics, run_cmd, train_losses
 
 STEPS = list(range(1, 21))
 
@@ -91,8 +91,7 @@ def test_two_machines_on_loopback_match_one_machine(runs, tmp_path, data_cache):
         logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+            kill_tree(p.pid)
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     assert {r["world_size"] for r in read_metrics(out) if r["type"] == "train"} == {2}
     assert_same_losses(train_losses(runs["two"]), train_losses(out), STEPS, tol=1e-5)
@@ -119,3 +118,30 @@ def test_multi_gpu_launch_without_cuda_joins_one_group(tmp_path, data_cache):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stdout and result.stdout.count("train_ddp: ") == 1
     assert {r["world_size"] for r in read_metrics(out) if r["type"] == "train"} == {2}
+
+
+def test_frozen_peer_ends_the_run_after_the_collective_timeout(tmp_path, data_cache):
+    """Two machines on loopback; machine 1 freezes mid-run (SIGSTOP: its connections stay open,
+    nothing answers). Machine 0 must fail once --collective_timeout (20 s) has passed, not wait forever."""
+    out, port = tmp_path / "run", free_port()
+    args = [*TINY, "--max_steps", "100000", "--log_every", "5", "--data_cache_dir", data_cache, "--collective_timeout", "20", "--output_dir", str(out)]
+    procs = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
+                               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                               "--rdzv_backend", "static", "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py", *args],
+                              cwd=REPO, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and '"train"' in (out / "metrics.jsonl").read_text()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "training never started"
+            time.sleep(0.5)
+        for worker in psutil.Process(procs[1].pid).children(recursive=True):
+            worker.suspend()
+        start = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        assert procs[0].returncode != 0, "machine 0 finished a run whose peer was dead"
+        waited = time.monotonic() - start
+        assert 15 < waited < 90, f"machine 0 gave up after {waited:.0f} s, not after the 20 s timeout"
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
