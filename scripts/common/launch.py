@@ -142,7 +142,7 @@ def make_accelerator(args, **accelerator_kwargs):
         cpu=use_cpu,
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout)), *accelerator_kwargs.pop("kwargs_handlers", [])],
         **accelerator_kwargs,
     )
     if accelerator.num_processes != expected:  # never N silent single-process runs
