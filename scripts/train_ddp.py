@@ -60,7 +60,7 @@ def main():
     data = load_data(args, accelerator, model_config.block_size)
     resume_path = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
-        check_compatible(read_checkpoint_state(resume_path), resume_path, model_config, global_batch_size)
+        check_compatible(read_checkpoint_state(resume_path), resume_path, model_config, global_batch_size, dp_size)
     prepare_output_dir(args.output_dir, resuming=resume_path is not None, overwrite=args.overwrite_output_dir)
     if args.overwrite_output_dir and not resume_path and accelerator.is_main_process:
         clear_output_dir(args.output_dir)

@@ -53,6 +53,13 @@ def test_refused_before_any_work(flags, needles, tmp_path, data_cache):
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
 
 
+def test_bad_data_on_two_processes_fails_fast(tmp_path, data_cache):
+    """Every rank meets the error, none is left waiting at a barrier for the others."""
+    result = launch("train_ddp.py", [*TINY, "--dataset_name", str(tmp_path / "nowhere"), "--data_cache_dir", data_cache,
+                                     "--output_dir", str(tmp_path / "run")], nproc=2, check=False, timeout=120)
+    assert_refused(result, "could not load --dataset_name")
+
+
 def test_block_size_longer_than_the_data(tmp_path, data_cache):
     text = tmp_path / "small.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 3)  # 81 bytes

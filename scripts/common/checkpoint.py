@@ -64,7 +64,8 @@ def read_checkpoint_state(path: Path) -> dict:
     """Read and check a checkpoint's small files before anything is built or written."""
     try:
         state = json.loads((path / STATE_FILE).read_text())
-        dcp.FileSystemReader(str(path / "state")).read_metadata()
+        state_dir = path / "state" / "rank_0" if state.get("per_rank_state") else path / "state"
+        dcp.FileSystemReader(str(state_dir)).read_metadata()
         if not (path / "scheduler.pt").is_file():
             raise FileNotFoundError("scheduler.pt")
         state["step"], state["model_config"], state["global_batch_size"]  # noqa: B018 (must exist)
@@ -73,13 +74,15 @@ def read_checkpoint_state(path: Path) -> dict:
     return state
 
 
-def check_compatible(state: dict, path: Path, model_config: GPTConfig, global_batch_size: int) -> None:
+def check_compatible(state: dict, path: Path, model_config: GPTConfig, global_batch_size: int, world_size: int) -> None:
     saved = GPTConfig.from_dict(state["model_config"])
     if saved != model_config:
         diff = ", ".join(f"{k} {getattr(saved, k)} vs {getattr(model_config, k)}" for k in saved.to_dict() if getattr(saved, k) != getattr(model_config, k))
         raise UsageError(f"--resume_from_checkpoint {path}: saved by another model ({diff}, checkpoint vs this run): use the same --model_size and overrides")
     if state["global_batch_size"] != global_batch_size:
         raise UsageError(f"--resume_from_checkpoint {path}: saved with global batch {state['global_batch_size']}, this run has {global_batch_size}: keep batch_size x processes x accumulation equal")
+    if state.get("per_rank_state") and state["world_size"] != world_size:
+        raise UsageError(f"--resume_from_checkpoint {path}: every rank saved its own state ({state['world_size']} ranks); resume on {state['world_size']} processes, not {world_size}")
 
 
 def prepare_output_dir(output_dir, resuming: bool, overwrite: bool) -> None:
@@ -120,8 +123,9 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(accelerator, model, optimizer, scheduler, trainer_state: dict, output_dir, keep_last: int) -> Path:
-    """Collective: call on every rank."""
+def save_checkpoint(accelerator, model, optimizer, scheduler, trainer_state: dict, output_dir, keep_last: int, per_rank_state: bool = False) -> Path:
+    """Collective: call on every rank. `per_rank_state`: every rank writes its whole model and
+    optimizer state to state/rank_<r> (Local SGD, whose replicas differ between fusions)."""
     root = _checkpoints_dir(output_dir)
     final = root / f"step_{trainer_state['step']}"
     tmp = root / f".tmp_step_{trainer_state['step']}"
@@ -130,11 +134,12 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, trainer_state: dic
         (tmp / "rng").mkdir(parents=True)
     accelerator.wait_for_everyone()
     model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    state_dir = tmp / "state" / f"rank_{accelerator.process_index}" if per_rank_state else tmp / "state"
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(state_dir), no_dist=per_rank_state)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
+        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "per_rank_state": per_rank_state}, indent=1))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if final.exists():  # same step saved before (e.g. a resumed run): replace it
@@ -152,8 +157,10 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dic
     state = json.loads((path / STATE_FILE).read_text())
     model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer))
     to_load = {"model": model_sd, "optim": optim_sd}
+    per_rank = state.get("per_rank_state", False)
+    state_dir = path / "state" / f"rank_{accelerator.process_index}" if per_rank else path / "state"
     try:
-        dcp.load(to_load, checkpoint_id=str(path / "state"))  # errors are gathered: every rank raises
+        dcp.load(to_load, checkpoint_id=str(state_dir), no_dist=per_rank)  # errors are gathered: every rank raises
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise UsageError(f"--resume_from_checkpoint {path}: the model/optimizer state cannot be read ({type(e).__name__}); the checkpoint is damaged") from None
     set_state_dict(model, _unwrap_optimizer(optimizer), model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
@@ -166,23 +173,29 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dic
     return state
 
 
-def export_model(accelerator, model, model_config: GPTConfig, data_source: dict, model_dir) -> None:
-    """Write `model/` (safetensors + config). Collective: gathering a sharded model needs every
-    rank; only the main process writes, to a temp dir renamed into place."""
+def write_model_dir(state_dict: dict, model_config: GPTConfig, data_source: dict, model_dir) -> None:
+    """Write a full state dict as `model_dir/` (safetensors + config + data), via a temp dir renamed
+    into place. Called by one process per directory."""
     from safetensors.torch import save_file
 
+    model_dir = Path(model_dir)
+    tmp = model_dir.with_name(f".tmp_{model_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(model_config.to_dict(), indent=1))
+    (tmp / "data.json").write_text(json.dumps(data_source, indent=1))
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    os.replace(tmp, model_dir)
+
+
+def export_model(accelerator, model, model_config: GPTConfig, data_source: dict, model_dir) -> None:
+    """Write `model/`. Collective: gathering a sharded model needs every rank; only the main
+    process writes."""
     full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if accelerator.is_main_process:
-        model_dir = Path(model_dir)
-        tmp = model_dir.with_name(f".tmp_{model_dir.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in full_sd.items()}, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(model_config.to_dict(), indent=1))
-        (tmp / "data.json").write_text(json.dumps(data_source, indent=1))
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        os.replace(tmp, model_dir)
+        write_model_dir(full_sd, model_config, data_source, model_dir)
     accelerator.wait_for_everyone()
 
 

@@ -200,17 +200,23 @@ def load_data(args, accelerator, block_size: int) -> Data:
     row_len = 3 * args.addition_digits + 4  # "aaa+bbb=" + up to d+1 answer digits + "\n"
     if is_addition and block_size < row_len:
         raise UsageError(f"--block_size {block_size} is shorter than one addition problem ({row_len} tokens): use --block_size >= {row_len}")
+    if is_addition:
+        encode, kwargs, seq_len = _encode_addition, {"row_len": row_len}, row_len
+    else:
+        encode, kwargs, seq_len = _encode_and_pack, {"text_column": args.text_column, "block_size": block_size}, block_size
+    error = None
     with accelerator.local_main_process_first():
-        raw = _load_raw(args, cache_dir)
-        if is_addition:
-            encode, kwargs, seq_len = _encode_addition, {"row_len": row_len}, row_len
-        else:
-            encode, kwargs, seq_len = _encode_and_pack, {"text_column": args.text_column, "block_size": block_size}, block_size
-        splits = {
-            name: split.map(encode, fn_kwargs=kwargs, batched=True, batch_size=2000, remove_columns=split.column_names, desc=f"tokenise {name}")
-            for name, split in raw.items()
-            if name in ("train", "validation")
-        }
+        try:
+            raw = _load_raw(args, cache_dir)
+            splits = {
+                name: split.map(encode, fn_kwargs=kwargs, batched=True, batch_size=2000, remove_columns=split.column_names, desc=f"tokenise {name}")
+                for name, split in raw.items()
+                if name in ("train", "validation")
+            }
+        except UsageError as e:  # leave the block normally: the others wait at its barrier, then fail alike
+            error = e
+    if error:
+        raise error
     for name, split in splits.items():
         if len(split) == 0:
             n_bytes = sum(len(str(t).encode()) for t in raw[name][args.text_column])

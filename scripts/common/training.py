@@ -55,12 +55,13 @@ class TrainStream:
     """
 
     def __init__(self, accelerator, loader, sampler, global_batch_size: int, gradient_accumulation_steps: int,
-                 epoch: int = 0, samples_in_epoch: int = 0, dp_group=None):
+                 epoch: int = 0, samples_in_epoch: int = 0, dp_group=None, count_over_ranks: bool = True):
         self.accelerator, self.loader, self.sampler = accelerator, loader, sampler
         self.global_batch_size, self.grad_accum = global_batch_size, gradient_accumulation_steps
         self.epoch, self.samples_in_epoch = epoch, samples_in_epoch
         self.samples_per_epoch = len(sampler)  # a whole number of global batches
         self.dp_group = dp_group  # None: all processes are data-parallel ranks
+        self.count_over_ranks = count_over_ranks  # False: this rank's own count, no communication
         self._batches = self._iterate()
         self._next = self._fetch()
 
@@ -78,12 +79,13 @@ class TrainStream:
         window = [next(self._batches) for _ in range(self.grad_accum)]
         count = sum((mb["labels"][:, 1:] != -100).sum() for mb in window).float()
         work = None
-        if self.accelerator.num_processes > 1:
+        if self.count_over_ranks and self.accelerator.num_processes > 1:
             work = torch.distributed.all_reduce(count, group=self.dp_group, async_op=True)
         return window, count, work
 
     def next_step(self) -> tuple[list, torch.Tensor]:
-        """This rank's micro-batches of the next optimizer step, and the global batch's target count."""
+        """This rank's micro-batches of the next optimizer step, and the target count of the global
+        batch (of this rank's part with count_over_ranks=False)."""
         window, count, work = self._next
         if work is not None:
             work.wait()

@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Model fusion: average N saved models into one (the seed tutorial's "train apart, then average").
+
+    python scripts/merge_checkpoints.py runs/a/model runs/b/model --out runs/fused/model
+    python scripts/merge_checkpoints.py runs/a/model runs/b/model --weights 0.75 0.25 --out runs/fused/model
+    python scripts/evaluate.py --model_dir runs/fused/model
+
+Every input is a `model/` directory written by a training script (model.safetensors +
+config.json). The models must share one config (same shapes, same parameter names); the result
+is sum_i w_i * theta_i (uniform weights by default, normalised to sum to 1), saved in fp32 with
+the same config and the first model's data.json. Averaging helps when the models are close (the
+replicas of a Local SGD run, or fine-tunes of one base); two models trained apart from different
+initialisations sit in different basins, and their average is usually worse than either.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
+
+import torch  # noqa: E402
+
+from common.checkpoint import load_exported, write_model_dir  # noqa: E402
+from common.launch import HelpFormatter, UsageError, run_main  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("model_dirs", nargs="+", help="saved model directories (OUTPUT_DIR/model)")
+    p.add_argument("--out", required=True, help="where the merged model directory is written")
+    p.add_argument("--weights", type=float, nargs="+", help="one weight per model (default: uniform)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    args = p.parse_args()
+
+    weights = args.weights or [1.0] * len(args.model_dirs)
+    if len(weights) != len(args.model_dirs):
+        raise UsageError(f"--weights has {len(weights)} values for {len(args.model_dirs)} models: give one per model")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise UsageError("--weights must be non-negative and not all zero")
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise UsageError(f"--out {out} already exists: choose another directory or pass --overwrite")
+    if any(out.resolve() == Path(d).resolve() for d in args.model_dirs):
+        raise UsageError(f"--out {out} is one of the inputs: write the merge elsewhere")
+    for d in args.model_dirs:
+        if not (Path(d) / "model.safetensors").is_file():
+            raise UsageError(f"{d}: no model.safetensors here (pass OUTPUT_DIR/model of a training run)")
+
+    models = [load_exported(d) for d in args.model_dirs]
+    first_config = models[0][0].config
+    for d, (model, _) in zip(args.model_dirs[1:], models[1:]):
+        if model.config != first_config:
+            diff = ", ".join(f"{k} {v} vs {getattr(model.config, k)}" for k, v in first_config.to_dict().items() if getattr(model.config, k) != v)
+            raise UsageError(f"{d}: another model than {args.model_dirs[0]} ({diff}): only models of one config can be averaged")
+
+    total = sum(weights)
+    with torch.no_grad():
+        merged = {name: torch.zeros_like(t, dtype=torch.float32) for name, t in models[0][0].state_dict().items()}
+        for (model, _), w in zip(models, weights):
+            for name, t in model.state_dict().items():
+                merged[name] += (w / total) * t.float()
+    write_model_dir(merged, first_config, models[0][1], out)
+    print(json.dumps({"merged": args.model_dirs, "weights": [w / total for w in weights], "out": str(out)}))
+
+
+if __name__ == "__main__":
+    run_main(main)
