@@ -27,10 +27,7 @@ import torch  # noqa: E402
 from accelerate.utils import GradientAccumulationPlugin, set_seed  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from common.checkpoint import (  # noqa: E402
-    check_compatible, clear_output_dir, export_model, load_checkpoint, prepare_output_dir,
-    read_checkpoint_state, resolve_checkpoint, save_checkpoint,
-)
+from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint  # noqa: E402
 from common.data import data_source, load_data, make_eval_loader, make_train_loader  # noqa: E402
 from common.launch import build_parser, check_core_args, make_accelerator, run_main  # noqa: E402
 from common.metrics import MetricsWriter, Throughput, evaluate, peak_flops, peak_memory_mb, ring_allreduce_bytes  # noqa: E402
@@ -58,13 +55,7 @@ def main():
 
     # Everything that can refuse the run is checked before anything is written.
     data = load_data(args, accelerator, model_config.block_size)
-    resume_path = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-    if resume_path:
-        check_compatible(read_checkpoint_state(resume_path), resume_path, model_config, global_batch_size, dp_size)
-    prepare_output_dir(args.output_dir, resuming=resume_path is not None, overwrite=args.overwrite_output_dir)
-    if args.overwrite_output_dir and not resume_path and accelerator.is_main_process:
-        clear_output_dir(args.output_dir)
-    accelerator.wait_for_everyone()
+    resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
 
     set_seed(args.seed)  # Accelerate: seeds python, numpy and torch; same value on every rank
     model = GPT(model_config)  # the same full model on every rank: the replicas start equal

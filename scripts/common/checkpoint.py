@@ -104,6 +104,20 @@ def clear_output_dir(output_dir) -> None:
             path.unlink()
 
 
+def check_resume_and_output(accelerator, args, model_config: GPTConfig, global_batch_size: int) -> Path | None:
+    """Before anything is written: find and check the checkpoint to resume (if any), refuse to
+    start a new run on top of an old one, and clear the old run on --overwrite_output_dir.
+    Returns the checkpoint directory to resume from, or None."""
+    resume_path = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    if resume_path:
+        check_compatible(read_checkpoint_state(resume_path), resume_path, model_config, global_batch_size, accelerator.num_processes)
+    prepare_output_dir(args.output_dir, resuming=resume_path is not None, overwrite=args.overwrite_output_dir)
+    if args.overwrite_output_dir and not resume_path and accelerator.is_main_process:
+        clear_output_dir(args.output_dir)
+    accelerator.wait_for_everyone()
+    return resume_path
+
+
 def _unwrap_optimizer(optimizer):
     return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds the torch one
 
