@@ -23,7 +23,6 @@ Run it:
     python scripts/merge_checkpoints.py runs/localsgd/rank_models/rank_0 runs/localsgd/rank_models/rank_1 --out runs/fused/model
 Lines marked `# Accelerate:` are the library's part; `# Local SGD:` marks what differs from train_ddp.py.
 """
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint, write_model_dir  # noqa: E402
 from common.data import data_source, load_data, make_eval_loader, make_train_loader  # noqa: E402
-from common.launch import UsageError, build_parser, check_core_args, make_accelerator, run_main  # noqa: E402
+from common.launch import UsageError, build_parser, check_core_args, launcher_sharding, make_accelerator, run_main  # noqa: E402
 from common.metrics import MetricsWriter, Throughput, evaluate, peak_flops, peak_memory_mb, ring_allreduce_bytes  # noqa: E402
 from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token  # noqa: E402
 from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args  # noqa: E402
@@ -63,9 +62,9 @@ def main():
 
     # Local SGD averages whole replicas: a sharded strategy has none. On CPU Accelerate would silently
     # drop an FSDP config (CONVENTIONS pitfall 3), so the launcher's flags are checked, not only the result.
-    sharded = [name for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM") if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"]
+    sharded = launcher_sharding()
     if sharded:
-        raise UsageError(f"Local SGD averages whole replicas and cannot run under {sharded[0]} (a sharded strategy): launch without an FSDP/DeepSpeed config, e.g. --config_file accelerate_configs/cpu_multi.yaml")
+        raise UsageError(f"Local SGD averages whole replicas and cannot run under {sharded} (a sharded strategy): launch without an FSDP/DeepSpeed config, e.g. --config_file accelerate_configs/cpu_multi.yaml")
     accelerator = make_accelerator(args, step_scheduler_with_optimizer=False)  # Accelerate: process group, device
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         raise UsageError(f"Local SGD averages whole replicas: it cannot run under {accelerator.distributed_type}; launch without an FSDP/DeepSpeed config")

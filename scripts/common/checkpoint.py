@@ -204,10 +204,18 @@ def write_model_dir(state_dict: dict, model_config: GPTConfig, data_source: dict
     os.replace(tmp, model_dir)
 
 
-def export_model(accelerator, model, model_config: GPTConfig, data_source: dict, model_dir) -> None:
+def export_model(accelerator, model, model_config: GPTConfig, data_source: dict, model_dir, layout=None) -> None:
     """Write `model/`. Collective: gathering a sharded model needs every rank; only the main
-    process writes."""
-    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    process writes. Under pipeline parallelism each stage holds different layers: one rank per
+    stage gathers its stage's full tensors and sends them to the main process."""
+    if layout is None or layout.pp == 1:
+        full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        stage_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # collective within the stage
+        part = {k: v.cpu() for k, v in stage_sd.items()} if layout.writes_stage else {}
+        parts = [None] * layout.world_size if accelerator.is_main_process else None
+        torch.distributed.gather_object(part, parts, dst=0)
+        full_sd = {k: v for p in parts for k, v in p.items()} if accelerator.is_main_process else {}
     if accelerator.is_main_process:
         write_model_dir(full_sd, model_config, data_source, model_dir)
     accelerator.wait_for_everyone()

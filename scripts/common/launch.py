@@ -124,6 +124,13 @@ def check_launch() -> None:
         )
 
 
+def launcher_sharding() -> str | None:
+    """The sharded strategy an Accelerate config asked for (FSDP, DeepSpeed, Megatron-LM), if any.
+    Read from the launcher's environment: on CPU Accelerate silently drops an FSDP config
+    (CONVENTIONS pitfall 3), so the Accelerator's state would not tell."""
+    return next((name for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM") if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"), None)
+
+
 def make_accelerator(args, **accelerator_kwargs):
     """The Accelerator, with the CPU traps handled:
     - pitfall 2: a torchrun-style launch (`--multi_gpu`, MULTI_GPU config) on a machine without

@@ -6,7 +6,7 @@ The model knows nothing about parallelism. Strategies are applied from outside
     GPT
     ├── tok_emb   nn.Embedding(vocab, d)        token embedding   (TP: vocab-parallel)
     ├── pos_emb   nn.Embedding(block_size, d)   learned positions
-    ├── blocks    nn.ModuleList[Block] * L      indexable: PP splits here
+    ├── blocks    nn.ModuleDict{"0".."L-1": Block}  keyed by layer number: PP splits here, names survive
     │     Block: x + attn(ln_1(x)); x + mlp(ln_2(x))      (pre-LayerNorm)
     │       attn: q_proj k_proj v_proj (TP: column-wise, heads split) -> SDPA -> o_proj (row-wise)
     │       mlp:  up_proj (column-wise) -> GELU -> down_proj (row-wise)
@@ -14,7 +14,10 @@ The model knows nothing about parallelism. Strategies are applied from outside
     └── lm_head   nn.Linear(d, vocab)           (TP: column-wise; not tied to tok_emb)
 
 Attention reshapes with `head_dim`, never `n_head`, so a block whose q/k/v were
-sharded column-wise runs on its local heads without knowing it.
+sharded column-wise runs on its local heads without knowing it. A pipeline stage keeps
+only its own parts: the embeddings, blocks, or norm and head it does not own are removed
+(set to None / deleted), and every remaining parameter keeps its full-model name
+(`blocks.3.mlp.up_proj.weight`), which is what lets checkpoints move between layouts.
 """
 from __future__ import annotations
 
@@ -112,7 +115,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -134,11 +137,16 @@ class GPT(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Returns logits (B, T, vocab). The loss lives outside (`cross_entropy_sum`), so that
         strategies can normalise it over the whole global batch."""
-        T = input_ids.shape[1]
-        positions = torch.arange(T, device=input_ids.device)
-        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(positions))
-        for block in self.blocks:
+        x = self.embed(input_ids)
+        for block in self.blocks.values():
             x = block(x)
+        return self.head(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.drop(self.tok_emb(input_ids) + self.pos_emb(positions))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
 
 

@@ -19,13 +19,19 @@ def model_config_from_args(args) -> GPTConfig:
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not biases, norms), or plain SGD."""
+    """AdamW with weight decay on matrices only (not biases, norms), or plain SGD.
+    Sharded models hold DTensor parameters, often beside plain ones (or DTensors on different
+    meshes): the fused multi-tensor (`foreach`) kernels refuse such a mix (pitfall 6), so they
+    then run per parameter."""
+    from torch.distributed.tensor import DTensor
+
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    foreach = False if any(isinstance(p, DTensor) for p in model.parameters()) else None
     if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.learning_rate)
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95))
+        return torch.optim.SGD(groups, lr=args.learning_rate, foreach=foreach)
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), foreach=foreach)
 
 
 def make_scheduler(optimizer, args, min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
@@ -79,7 +85,7 @@ class TrainStream:
         window = [next(self._batches) for _ in range(self.grad_accum)]
         count = sum((mb["labels"][:, 1:] != -100).sum() for mb in window).float()
         work = None
-        if self.count_over_ranks and self.accelerator.num_processes > 1:
+        if self.count_over_ranks and torch.distributed.is_initialized() and torch.distributed.get_world_size(self.dp_group) > 1:
             work = torch.distributed.all_reduce(count, group=self.dp_group, async_op=True)
         return window, count, work
 

@@ -1,0 +1,141 @@
+"""The parallel layout: how many ways each strategy splits the job, and the named DeviceMesh.
+
+One object holds the four degrees, checks them once, builds the mesh and hands out the
+sub-meshes and this rank's coordinates. No other code does rank arithmetic.
+
+    world = pp x dp_replicate x dp_shard x tp      (one degree may be -1: inferred)
+
+    mesh dims, outermost first:  pp  ->  dp_replicate  ->  dp_shard  ->  tp
+    tp is innermost, so a TP group is consecutive ranks (one node, fast links);
+    pp is outermost, so stages talk across the slowest links (only activations cross them).
+
+    8 ranks, pp 2 x dp_shard 2 x tp 2:
+                    dp_shard 0     dp_shard 1
+        pp stage 0: [rank 0, 1]    [rank 2, 3]     <- [..] is one TP group
+        pp stage 1: [rank 4, 5]    [rank 6, 7]
+
+The data-parallel ranks (dp = dp_replicate x dp_shard) each get their own slice of the global
+batch; the ranks of one TP group and of one pipeline see the same samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .launch import UsageError
+from .model import GPTConfig
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+FLAGS = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}
+
+
+@dataclass
+class Layout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    world_size: int = 1
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_degrees(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1) -> "Layout":
+        """Check the degrees against the world size (one may be -1: whatever is left)."""
+        degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        inferred = [d for d, v in degrees.items() if v == -1]
+        if len(inferred) > 1:
+            raise UsageError(f"only one of {', '.join(FLAGS[d] for d in inferred)} may be -1 (inferred from the world size)")
+        for dim, value in degrees.items():
+            if value == 0 or value < -1:
+                raise UsageError(f"{FLAGS[dim]} must be at least 1, or -1 to infer it (got {value})")
+        known = 1
+        for dim, value in degrees.items():
+            known *= value if value != -1 else 1
+        if inferred:
+            if world_size % known:
+                raise UsageError(f"{' x '.join(f'{FLAGS[d]} {v}' for d, v in degrees.items() if v != -1)} = {known} does not divide the {world_size} processes: choose degrees whose product divides the world size")
+            degrees[inferred[0]] = world_size // known
+        elif known != world_size:
+            raise UsageError(f"{' x '.join(f'{FLAGS[d]} {v}' for d, v in degrees.items())} = {known}, but {world_size} processes were started: the degrees' product must equal the world size")
+        return cls(**degrees, world_size=world_size)
+
+    def check_model(self, cfg: GPTConfig, stages_per_rank: int = 1) -> None:
+        """What each degree must divide: TP splits heads, the MLP width and the vocabulary; PP
+        splits the layers."""
+        if self.tp > 1:
+            for what, size, fix in (("--n_head", cfg.n_head, "heads"), ("the MLP width (4 x n_embd)", 4 * cfg.n_embd, "MLP columns"), ("the vocabulary", cfg.vocab_size, "vocabulary rows")):
+                if size % self.tp:
+                    raise UsageError(f"--tp_size {self.tp} does not divide {what} ({size}): every TP rank needs the same number of {fix}; use a --tp_size that divides {size}")
+        n_stages = self.pp * stages_per_rank
+        if n_stages > cfg.n_layer:
+            raise UsageError(f"--pp_size {self.pp} x --stages_per_rank {stages_per_rank} = {n_stages} stages, but the model has {cfg.n_layer} layers: every stage needs at least one layer (lower --pp_size or raise --n_layer)")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def model_split(self) -> int:
+        """Into how many different pieces the model state is cut (replicas hold copies)."""
+        return self.pp * self.dp_shard * self.tp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Collective: every rank builds the same mesh (one process group per dimension)."""
+        self.mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in DIMS), mesh_dim_names=DIMS)
+        self.mesh["dp_replicate", "dp_shard"]._flatten("dp")  # one group over all data-parallel ranks
+        return self.mesh
+
+    # --- sub-meshes and this rank's place (after build_mesh) ----------------------------
+    def sub(self, name: str) -> DeviceMesh:
+        return self.mesh[name]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """What fully_shard gets: 1-D = FSDP (shard over dp_shard); 2-D = HSDP (replicate over
+        dp_replicate, shard inside each replica, pitfall 7); None = no data parallelism."""
+        if self.dp == 1:
+            return None
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    def rank_in(self, name: str) -> int:
+        return self.mesh[name].get_local_rank()
+
+    def group(self, name: str):
+        return self.mesh[name].get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank_in("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank_in("pp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank_in("tp")
+
+    @property
+    def holds_loss(self) -> bool:
+        """One rank per data-parallel replica reports its loss: the last stage, TP rank 0."""
+        return self.pp_rank == self.pp - 1 and self.tp_rank == 0
+
+    @property
+    def writes_stage(self) -> bool:
+        """One rank per pipeline stage contributes that stage's weights to the exported model."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    def describe(self) -> dict:
+        return {d: getattr(self, d) for d in DIMS}
+
+    def table(self) -> str:
+        """Which rank sits where: one line per rank (printed at start)."""
+        coords = self.mesh.mesh.reshape(self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        lines = [f"  layout: pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} = {self.world_size} ranks",
+                 "    rank   pp  dp_replicate  dp_shard  tp"]
+        for idx in torch.cartesian_prod(*(torch.arange(getattr(self, d)) for d in DIMS)).reshape(-1, 4).tolist():
+            rank = int(coords[tuple(idx)])
+            lines.append(f"    {rank:>4}  {idx[0]:>3}  {idx[1]:>12}  {idx[2]:>8}  {idx[3]:>2}")
+        return "\n".join(lines)
