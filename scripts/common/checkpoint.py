@@ -33,6 +33,10 @@ from .launch import UsageError
 from .model import GPT, GPTConfig
 
 STATE_FILE = "trainer_state.json"
+# Optimizer state keyed by parameter name ("optim.state.blocks.3.mlp.up_proj.weight.exp_avg"),
+# not by position in a param group: pipeline stages hold different parameters in "the same"
+# groups, and another layout must find each parameter's state by its name.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _checkpoints_dir(output_dir) -> Path:
@@ -147,7 +151,7 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, trainer_state: dic
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
         (tmp / "rng").mkdir(parents=True)
     accelerator.wait_for_everyone()
-    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer))
+    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=OPTIONS)
     state_dir = tmp / "state" / f"rank_{accelerator.process_index}" if per_rank_state else tmp / "state"
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(state_dir), no_dist=per_rank_state)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
@@ -169,7 +173,7 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, trainer_state: dic
 def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dict:
     """Collective: restores model, optimizer, scheduler and RNG in place; returns trainer_state."""
     state = json.loads((path / STATE_FILE).read_text())
-    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer))
+    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=OPTIONS)
     to_load = {"model": model_sd, "optim": optim_sd}
     per_rank = state.get("per_rank_state", False)
     state_dir = path / "state" / f"rank_{accelerator.process_index}" if per_rank else path / "state"
@@ -177,7 +181,7 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dic
         dcp.load(to_load, checkpoint_id=str(state_dir), no_dist=per_rank)  # errors are gathered: every rank raises
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise UsageError(f"--resume_from_checkpoint {path}: the model/optimizer state cannot be read ({type(e).__name__}); the checkpoint is damaged") from None
-    set_state_dict(model, _unwrap_optimizer(optimizer), model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
+    set_state_dict(model, _unwrap_optimizer(optimizer), model_state_dict=to_load["model"], optim_state_dict=to_load["optim"], options=OPTIONS)
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     rng_file = path / "rng" / f"rank_{accelerator.process_index}.pt"
     if state.get("world_size") == accelerator.num_processes and rng_file.is_file():

@@ -233,38 +233,42 @@ class PipelineStep:
         self.schedule, self.stages = build_schedule(chunks, layout, schedule, n_microbatches, self.loss_fn, accelerator.device)
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
-        self.scale, self.loss_sums = 1.0, []
+        self.scale = 1.0
         self.busy_s = self.step_s = 0.0
         self.max_in_flight, self.steps = 0, 0
 
     def loss_fn(self, logits, labels):
         loss_sum, _ = cross_entropy_sum(logits, labels)
-        self.loss_sums.append(loss_sum.detach().full_tensor() if isinstance(loss_sum, DTensor) else loss_sum.detach())
         return loss_sum * self.scale
 
     def __call__(self, window, global_targets):
         if len(window) != 1:
             raise UsageError("pipeline parallelism splits the batch into --n_microbatches itself: use --gradient_accumulation_steps 1")
         (mb,) = window
-        self.scale, self.loss_sums = self.layout.dp / global_targets, []
+        self.scale = self.layout.dp / global_targets
         for stage in self.stages:
             stage.reset_counters()
         inputs = (mb["input_ids"],) if self.has_first else ()
         target = mb["labels"] if self.has_last else None
+        losses = []  # the last stage's loss per micro-batch, as loss_fn returned it
         start = time.perf_counter()
         with self.accelerator.autocast(), (tp_loss_parallel() if self.loss_parallel else nullcontext()):  # Accelerate: autocast
-            self.schedule.step(*inputs, target=target)
+            self.schedule.step(*inputs, target=target, losses=losses)
         if self.steps > 0:  # the first step also sets up the stages: leave it out of the bubble figure
             self.step_s += time.perf_counter() - start
             self.busy_s += sum(stage.busy_s for stage in self.stages)
         self.max_in_flight = max([self.max_in_flight, *(stage.max_in_flight for stage in self.stages)])
         self.steps += 1
-        return torch.stack(self.loss_sums).sum() if self.loss_sums else torch.zeros((), device=self.accelerator.device)
+        if not losses:
+            return torch.zeros((), device=self.accelerator.device)
+        losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
+        return torch.stack(losses).sum().detach() / self.scale  # back to this replica's loss sum
 
     def predict(self, input_ids):
-        """Forward only, through the pipeline: the last stage gets the logits of the whole batch."""
+        """Forward only, through the pipeline: the last stage gets the logits of the whole batch.
+        (The schedule also evaluates its loss function there; the inputs stand in for the labels.)"""
         with self.accelerator.autocast():
-            logits = self.schedule.eval(*((input_ids,) if self.has_first else ()))
+            logits = self.schedule.eval(*((input_ids,) if self.has_first else ()), target=input_ids if self.has_last else None)
         return logits if self.has_last else None
 
     def costs(self) -> dict:
@@ -337,3 +341,74 @@ def check_tp_flags(run: Run, sequence_parallel: bool, loss_parallel: bool) -> No
     if sequence_parallel and seq_len % run.layout.tp:
         hint = "choose --addition_digits d with 3d+4 divisible by it (d = 4 gives 16 tokens)" if run.data.task == "addition" else "use a --block_size divisible by it"
         raise UsageError(f"--sequence_parallel splits the {seq_len}-token sequence over --tp_size {run.layout.tp} ranks, which does not divide it: {hint}")
+
+
+def add_pipeline_args(parser):
+    from .parallel import SCHEDULES
+
+    g = parser.add_argument_group("pipeline parallel")
+    g.add_argument("--schedule", default="1f1b", help=f"pipeline schedule: {' | '.join(SCHEDULES)}")
+    g.add_argument("--n_microbatches", type=int, default=4, help="micro-batches each --batch_size is split into")
+    g.add_argument("--stages_per_rank", type=int, help="stages each rank holds (None: 2 for interleaved_1f1b and zero_bubble, else 1)")
+    g.add_argument("--split_points", help="comma-separated layer indices where a new stage begins, e.g. 1,3 (default: balance layers by count)")
+    return g
+
+
+def check_pipeline_args(args) -> None:
+    """Flag-only checks, before any process group exists; fills in --stages_per_rank's default
+    and parses --split_points."""
+    from .parallel import MULTI_STAGE_SCHEDULES, SCHEDULES
+
+    if args.schedule not in SCHEDULES:
+        raise UsageError(f"--schedule {args.schedule!r} is not supported: choose {', '.join(SCHEDULES)}")
+    if args.stages_per_rank is None:
+        args.stages_per_rank = 2 if args.schedule in MULTI_STAGE_SCHEDULES else 1
+    if args.stages_per_rank < 1:
+        raise UsageError(f"--stages_per_rank must be at least 1 (got {args.stages_per_rank})")
+    if args.stages_per_rank > 1 and args.schedule not in MULTI_STAGE_SCHEDULES:
+        raise UsageError(f"--stages_per_rank {args.stages_per_rank}: --schedule {args.schedule} runs one stage per rank; use interleaved_1f1b or zero_bubble, or drop --stages_per_rank")
+    if args.n_microbatches < 1:
+        raise UsageError(f"--n_microbatches must be at least 1 (got {args.n_microbatches})")
+    if args.batch_size % args.n_microbatches:
+        raise UsageError(f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches} equal micro-batches: use a batch size divisible by it")
+    if args.gradient_accumulation_steps != 1:
+        raise UsageError("--gradient_accumulation_steps: the pipeline already accumulates over its micro-batches; raise --batch_size and --n_microbatches instead (and keep accumulation 1)")
+    if args.split_points:
+        try:
+            args.split_points = [int(x) for x in str(args.split_points).split(",")]
+        except ValueError:
+            raise UsageError(f"--split_points {args.split_points!r}: give comma-separated layer indices, e.g. 1,3") from None
+    else:
+        args.split_points = None
+
+
+def check_pipeline_flags(run: Run, args) -> None:
+    """Checks that need the layout and the model."""
+    n_stages, n_layer = run.layout.pp * args.stages_per_rank, run.model_config.n_layer
+    if args.split_points is not None:
+        points = args.split_points
+        if len(points) != n_stages - 1 or points != sorted(set(points)) or points[0] <= 0 or points[-1] >= n_layer:
+            raise UsageError(f"--split_points {','.join(map(str, points))}: {n_stages} stages need {n_stages - 1} increasing layer indices between 1 and {n_layer - 1}")
+    if run.layout.pp > 1 and args.schedule != "gpipe" and args.n_microbatches < run.layout.pp:
+        raise UsageError(f"--n_microbatches {args.n_microbatches} is fewer than the {run.layout.pp} pipeline ranks: --schedule {args.schedule} needs at least one micro-batch per rank in flight (raise --n_microbatches, or use gpipe)")
+    if args.schedule in ("interleaved_1f1b", "zero_bubble") and args.n_microbatches % run.layout.pp:
+        raise UsageError(f"--n_microbatches {args.n_microbatches}: --schedule {args.schedule} needs a multiple of the {run.layout.pp} pipeline ranks")
+
+
+def pipeline_summary(run: Run, pipeline: PipelineStep, args) -> dict:
+    """Per stage (pipeline rank): measured bubble, micro-batches in flight, activation memory;
+    beside the theory. Collective (a gather)."""
+    from .parallel import bubble_theory
+
+    costs = pipeline.costs()
+    row = torch.tensor([run.layout.pp_rank, -1.0 if costs["busy_fraction"] is None else costs["busy_fraction"], costs["max_microbatches_in_flight"],
+                        costs["activation_bytes_per_microbatch"], costs["peak_activation_bytes"]], dtype=torch.float64, device=run.accelerator.device)
+    rows = run.accelerator.gather(row[None]).cpu()  # Accelerate: all-gather
+    per_stage = {int(r[0]): r for r in rows}  # one rank of each pipeline position (its replicas agree up to timing)
+    ranks = sorted(per_stage)
+    return {"pipeline_schedule": args.schedule, "n_microbatches": args.n_microbatches, "stages_per_rank": args.stages_per_rank,
+            "bubble_theory": round(bubble_theory(run.layout.pp, args.n_microbatches, args.stages_per_rank), 4),
+            "bubble_measured_per_rank": [None if per_stage[r][1] < 0 else round(1 - float(per_stage[r][1]), 4) for r in ranks],
+            "max_microbatches_in_flight_per_rank": [int(per_stage[r][2]) for r in ranks],
+            "activation_mib_per_microbatch_per_rank": [round(float(per_stage[r][3]) / 2**20, 4) for r in ranks],
+            "peak_activation_mib_per_rank": [round(float(per_stage[r][4]) / 2**20, 4) for r in ranks]}

@@ -305,9 +305,10 @@ def ddp_state_bytes(n_params: int, optimizer_name: str) -> dict:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives run while it is active, forward and backward, with the bytes of
-    each input buffer: the DTensor collectives of TP (functional ops) and the c10d ops of
-    FSDP and plain torch.distributed calls. Used for one measured step."""
+    """Counts the collectives run while it is active, forward and backward, and the size of the
+    full buffer each works on (the unsharded tensor of an all-gather or reduce-scatter): the
+    DTensor collectives of TP (functional ops) and the c10d ops of FSDP, pipeline send/recv and
+    plain torch.distributed calls. Used for one measured step."""
 
     NAMES = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather",
              "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -323,11 +324,12 @@ class CollectiveCounter(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if func.namespace in ("_c10d_functional", "c10d") and name in self.NAMES:
             kind = self.NAMES[name]
-            first = args[0]
-            tensors = first if isinstance(first, (list, tuple)) else [first]
-            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+            buffer = max((t.nbytes for t in tensors), default=0)  # the full (unsharded) buffer of the collective
+            if func.namespace == "_c10d_functional" and kind == "all_gather":
+                buffer *= args[1]  # functional all-gather gets the shard and the group size
             self.calls[kind] += 1
-            self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+            self.bytes[kind] += buffer
         return func(*args, **(kwargs or {}))
 
     def report(self) -> dict:
