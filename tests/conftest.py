@@ -109,3 +109,66 @@ def data_cache(tmp_path_factory) -> str:
 
 # Common flags of the small runs the tests compare: tiny model, fp32, a loss record every step.
 TINY = ["--model_size", "tiny", "--log_every", "1", "--eval_every", "0", "--warmup_steps", "5"]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, data_cache):
+    """The single-process train_ddp.py run every strategy is compared with, built once per
+    set of flags for the whole session: reference(*flags) -> its output directory."""
+    cache: dict[tuple, Path] = {}
+
+    def run(*flags: str) -> Path:
+        if flags not in cache:
+            out = tmp_path_factory.mktemp("reference") / "run"
+            launch("train_ddp.py", [*TINY, "--data_cache_dir", data_cache, *flags, "--output_dir", str(out)])
+            cache[flags] = out
+        return cache[flags]
+
+    return run
+
+
+def summary(output_dir) -> dict:
+    return next(r for r in read_metrics(output_dir) if r["type"] == "summary")
+
+
+def evals(output_dir) -> list[dict]:
+    return [r for r in read_metrics(output_dir) if r["type"] == "eval"]
+
+
+def assert_same_evals(a, b, tol: float = 1e-5) -> None:
+    ea, eb = evals(a), evals(b)
+    assert [r["step"] for r in ea] == [r["step"] for r in eb] and ea
+    for x, y in zip(ea, eb):
+        assert x["num_samples"] == y["num_samples"] == 1000
+        assert abs(x["eval_loss"] - y["eval_loss"]) < tol and x["exact_match"] == y["exact_match"], (x, y)
+
+
+def assert_layout(output_dir, **degrees) -> None:
+    """The run really used the layout (not N silent copies of one process)."""
+    layouts = [r["layout"] for r in read_metrics(output_dir) if r["type"] == "train"]
+    assert layouts and all(all(layout[k] == v for k, v in degrees.items()) for layout in layouts), layouts[:1]
+
+
+def resume_matches(script: str, flags: list[str], nproc: int, out: Path, straight: Path, resume_script: str | None = None,
+                   resume_flags: list[str] | None = None, resume_nproc: int | None = None, stop: int = 10, tol: float = 1e-6) -> None:
+    """Stop a run at `stop` with a checkpoint, continue it (possibly under another script/layout),
+    and check the continued steps against the uninterrupted run `straight`."""
+    launch(script, [*flags, "--output_dir", str(out), "--stop_at_step", str(stop), "--checkpoint_every", str(stop)], nproc=nproc)
+    assert (out / "checkpoints" / f"step_{stop}").is_dir() and not (out / "model").exists()
+    launch(resume_script or script, [*(resume_flags or flags), "--output_dir", str(out), "--resume_from_checkpoint", "latest"], nproc=resume_nproc or nproc)
+    a, b = train_losses(straight), train_losses(out)
+    last = max(a)
+    assert sorted(b) == list(range(1, last + 1)), "the resumed run must append its steps to the same metrics.jsonl"
+    assert_same_losses(a, b, list(range(stop + 1, last + 1)), tol=tol)
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+def evaluate_matches_in_run_eval(run_dir: Path, tmp_path: Path, batch_size: str = "64") -> None:
+    """scripts/evaluate.py on one process reproduces the run's final in-run evaluation."""
+    import json as _json
+
+    out = tmp_path / "eval.json"
+    launch("evaluate.py", ["--model_dir", str(run_dir / "model"), "--batch_size", batch_size, "--output_file", str(out)])
+    result, final = _json.loads(out.read_text()), evals(run_dir)[-1]
+    assert result["num_samples"] == final["num_samples"] == 1000
+    assert abs(result["eval_loss"] - final["eval_loss"]) < 1e-5 and result["exact_match"] == final["exact_match"]

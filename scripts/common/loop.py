@@ -267,7 +267,7 @@ class PipelineStep:
     def predict(self, input_ids):
         """Forward only, through the pipeline: the last stage gets the logits of the whole batch.
         (The schedule also evaluates its loss function there; the inputs stand in for the labels.)"""
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), (tp_loss_parallel() if self.loss_parallel else nullcontext()):
             logits = self.schedule.eval(*((input_ids,) if self.has_first else ()), target=input_ids if self.has_last else None)
         return logits if self.has_last else None
 
@@ -369,10 +369,6 @@ def check_pipeline_args(args) -> None:
         raise UsageError(f"--stages_per_rank {args.stages_per_rank}: --schedule {args.schedule} runs one stage per rank; use interleaved_1f1b or zero_bubble, or drop --stages_per_rank")
     if args.n_microbatches < 1:
         raise UsageError(f"--n_microbatches must be at least 1 (got {args.n_microbatches})")
-    if args.batch_size % args.n_microbatches:
-        raise UsageError(f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches} equal micro-batches: use a batch size divisible by it")
-    if args.gradient_accumulation_steps != 1:
-        raise UsageError("--gradient_accumulation_steps: the pipeline already accumulates over its micro-batches; raise --batch_size and --n_microbatches instead (and keep accumulation 1)")
     if args.split_points:
         try:
             args.split_points = [int(x) for x in str(args.split_points).split(",")]
@@ -385,6 +381,10 @@ def check_pipeline_args(args) -> None:
 def check_pipeline_flags(run: Run, args) -> None:
     """Checks that need the layout and the model."""
     n_stages, n_layer = run.layout.pp * args.stages_per_rank, run.model_config.n_layer
+    if args.batch_size % args.n_microbatches:
+        raise UsageError(f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches} equal micro-batches: use a batch size divisible by it")
+    if args.gradient_accumulation_steps != 1:
+        raise UsageError("--gradient_accumulation_steps: the pipeline already accumulates over its micro-batches; raise --batch_size and --n_microbatches instead (and keep accumulation 1)")
     if args.split_points is not None:
         points = args.split_points
         if len(points) != n_stages - 1 or points != sorted(set(points)) or points[0] <= 0 or points[-1] >= n_layer:

@@ -107,7 +107,11 @@ class TimedStage:
         storages: dict[int, int] = {}
 
         def pack(t):  # every tensor autograd keeps for backward, each storage counted once
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            local = t.to_local() if isinstance(t, DTensor) else t
+            try:
+                storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+            except RuntimeError:  # a tensor without its own storage (a wrapper subclass): count its size
+                storages[id(t)] = local.numel() * local.element_size()
             return t
 
         try:

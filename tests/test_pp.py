@@ -1,0 +1,44 @@
+"""train_pp.py: pipeline parallelism (torch.distributed.pipelining), every schedule, against the
+single-process run of the same 4-layer model."""
+import pytest
+from conftest import TINY, assert_layout, assert_same_evals, assert_same_losses, evaluate_matches_in_run_eval, launch, resume_matches, summary, train_losses
+
+FLAGS = ["--n_layer", "4", "--max_steps", "20", "--batch_size", "16", "--eval_every", "10"]
+STEPS = list(range(1, 21))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_matches_single_process(pp, schedule, reference, tmp_path, data_cache):
+    """2 stages: interleaved and zero-bubble hold 2 stages per rank (4 stages of 1 layer);
+    4 stages: one layer per rank. 4 micro-batches of 4."""
+    out = tmp_path / "pp"
+    extra = ["--stages_per_rank", "1"] if pp == 4 else []
+    launch("train_pp.py", [*TINY, *FLAGS, "--schedule", schedule, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)], nproc=pp)
+    assert_layout(out, pp=pp, dp_shard=1, tp=1)
+    ref = reference(*FLAGS, "--eval_batch_size", "64")
+    assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)  # the mean over the global batch, written by rank 0
+    assert_same_evals(ref, out)  # forward-only through the pipeline
+    s = summary(out)
+    assert s["bubble_theory"] == pytest.approx((pp - 1) / ((2 if pp == 2 and schedule in ("interleaved_1f1b", "zero_bubble") else 1) * 4 + pp - 1), abs=1e-4)
+    assert len(s["bubble_measured_per_rank"]) == pp and all(0 <= b < 1 for b in s["bubble_measured_per_rank"])
+    if schedule == "gpipe":  # every stage holds all micro-batches' activations before the first backward
+        assert s["max_microbatches_in_flight_per_rank"] == [4] * pp
+    if schedule == "1f1b":  # stage i holds at most pp - i
+        assert s["max_microbatches_in_flight_per_rank"] == [pp - i for i in range(pp)]
+    assert s["state_bytes_per_rank_max"]["param_bytes"] < s["unsharded_param_bytes"]
+
+
+def test_resume_continues_the_single_process_run_and_final_model_evaluates(tmp_path, reference, data_cache):
+    flags = [*TINY, *FLAGS, "--schedule", "1f1b", "--data_cache_dir", data_cache]
+    straight = reference(*FLAGS, "--eval_batch_size", "64")
+    resume_matches("train_pp.py", flags, 2, tmp_path / "resumed", straight, tol=1e-5)
+    evaluate_matches_in_run_eval(tmp_path / "resumed", tmp_path)
+
+
+def test_resume_under_pp_is_exact(tmp_path, data_cache):
+    """10 + resume 10 == 20 straight, both under PP, within 1e-6."""
+    flags = [*TINY, *FLAGS, "--schedule", "gpipe", "--split_points", "1", "--data_cache_dir", data_cache]
+    straight = tmp_path / "straight"
+    launch("train_pp.py", [*flags, "--output_dir", str(straight)], nproc=2)
+    resume_matches("train_pp.py", flags, 2, tmp_path / "resumed", straight, tol=1e-6)
