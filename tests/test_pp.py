@@ -3,7 +3,7 @@ single-process run of the same 4-layer model."""
 import pytest
 from conftest import TINY, assert_layout, assert_same_evals, assert_same_losses, evaluate_matches_in_run_eval, launch, resume_matches, summary, train_losses
 
-FLAGS = ["--n_layer", "4", "--max_steps", "20", "--batch_size", "16", "--eval_every", "10"]
+FLAGS = ["--n_layer", "4", "--max_steps", "20", "--batch_size", "16"]  # one evaluation, at the end
 STEPS = list(range(1, 21))
 
 
@@ -29,16 +29,11 @@ def test_matches_single_process(pp, schedule, reference, tmp_path, data_cache):
     assert s["state_bytes_per_rank_max"]["param_bytes"] < s["unsharded_param_bytes"]
 
 
-def test_resume_continues_the_single_process_run_and_final_model_evaluates(tmp_path, reference, data_cache):
-    flags = [*TINY, *FLAGS, "--schedule", "1f1b", "--data_cache_dir", data_cache]
-    straight = reference(*FLAGS, "--eval_batch_size", "64")
-    resume_matches("train_pp.py", flags, 2, tmp_path / "resumed", straight, tol=1e-5)
-    evaluate_matches_in_run_eval(tmp_path / "resumed", tmp_path)
-
-
-def test_resume_under_pp_is_exact(tmp_path, data_cache):
-    """10 + resume 10 == 20 straight, both under PP, within 1e-6."""
+def test_resume_under_pp_is_exact_and_final_model_evaluates(tmp_path, data_cache):
+    """10 + resume 10 == 20 straight, both under PP, within 1e-6; then evaluate.py on one
+    process reproduces the run's last evaluation from the consolidated model/."""
     flags = [*TINY, *FLAGS, "--schedule", "gpipe", "--split_points", "1", "--data_cache_dir", data_cache]
     straight = tmp_path / "straight"
     launch("train_pp.py", [*flags, "--output_dir", str(straight)], nproc=2)
     resume_matches("train_pp.py", flags, 2, tmp_path / "resumed", straight, tol=1e-6)
+    evaluate_matches_in_run_eval(tmp_path / "resumed", tmp_path)
