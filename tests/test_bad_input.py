@@ -4,7 +4,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY, launch
+from conftest import TINY, job_env, launch, launch_cmd, run_cmd
 
 
 def tree_digest(root: Path) -> str:
@@ -127,3 +127,36 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
     result = launch("train_ddp.py", [*TINY, "--max_steps", "6", "--data_cache_dir", data_cache, "--output_dir", str(run), "--resume_from_checkpoint", str(ckpt)], check=False)
     assert_refused(result, f"--resume_from_checkpoint {ckpt}")
     assert tree_digest(run) == before
+
+
+@pytest.mark.parametrize(
+    "script, nproc, flags, needles",
+    [
+        ("train_tp.py", 1, ["--tp_size", "2"], ["--tp_size 2", "does not divide the 1 processes"]),
+        ("train_tp.py", 1, ["--sequence_parallel"], ["--sequence_parallel shards over the TP group, but --tp_size is 1"]),
+        ("train_tp.py", 2, ["--n_head", "1"], ["--tp_size 2 does not divide --n_head (1)"]),
+        ("train_tp.py", 2, ["--sequence_parallel"], ["--sequence_parallel splits the 13-token sequence over --tp_size 2", "--addition_digits"]),
+        ("train_pp.py", 1, ["--schedule", "gpipe", "--stages_per_rank", "2"], ["--stages_per_rank 2: --schedule gpipe runs one stage per rank"]),
+        ("train_pp.py", 1, ["--schedule", "dualpipe"], ["--schedule 'dualpipe' is not supported"]),
+        ("train_pp.py", 2, ["--n_layer", "1"], ["--pp_size 2 x --stages_per_rank 1 = 2 stages, but the model has 1 layers"]),
+        ("train_pp.py", 2, ["--batch_size", "6", "--n_microbatches", "4"], ["--batch_size 6 cannot be split into --n_microbatches 4"]),
+        ("train_pp.py", 2, ["--schedule", "1f1b", "--n_microbatches", "1", "--batch_size", "4"], ["--n_microbatches 1 is fewer than the 2 pipeline ranks"]),
+        ("train_fsdp.py", 1, ["--cpu_offload"], ["--cpu_offload", "already on the CPU"]),
+        ("train_hybrid.py", 1, ["--tp_size", "2", "--dp_shard", "1"], ["= 2, but 1 processes were started"]),
+        ("train_hybrid.py", 1, ["--tp_size", "-1", "--dp_shard", "-1"], ["only one of --dp_shard, --tp_size may be -1"]),
+        ("train_hybrid.py", 2, ["--tp_size", "2", "--n_head", "1"], ["--tp_size 2 does not divide --n_head (1)"]),
+    ],
+)
+def test_sharded_scripts_refuse_before_any_work(script, nproc, flags, needles, tmp_path, data_cache):
+    out = tmp_path / "run"
+    result = launch(script, [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out), *flags], nproc=nproc, check=False, timeout=120)
+    assert_refused(result, *needles)
+    assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
+
+
+def test_sharded_script_refuses_an_accelerate_fsdp_launch(tmp_path, data_cache):
+    """On CPU Accelerate would silently drop its FSDP plugin (pitfall 3); FSDP2 is applied by the script."""
+    out = tmp_path / "run"
+    result = run_cmd(launch_cmd("train_fsdp.py", [*TINY, "--data_cache_dir", data_cache, "--output_dir", str(out)]), env=job_env(ACCELERATE_USE_FSDP="true"))
+    assert_refused(result, "also asked Accelerate for FSDP")
+    assert not out.exists()
