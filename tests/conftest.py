@@ -138,7 +138,7 @@ def evals(output_dir) -> list[dict]:
 def assert_same_evals(a, b, tol: float = 1e-5) -> None:
     ea, eb = evals(a), evals(b)
     assert [r["step"] for r in ea] == [r["step"] for r in eb] and ea
-    for x, y in zip(ea, eb):
+    for x, y in zip(ea, eb, strict=True):
         assert x["num_samples"] == y["num_samples"] == 1000
         assert abs(x["eval_loss"] - y["eval_loss"]) < tol and x["exact_match"] == y["exact_match"], (x, y)
 

@@ -39,6 +39,7 @@ class Layout:
     tp: int = 1
     world_size: int = 1
     mesh: DeviceMesh | None = field(default=None, repr=False)
+    dp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def from_degrees(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1) -> "Layout":
@@ -51,7 +52,7 @@ class Layout:
             if value == 0 or value < -1:
                 raise UsageError(f"{FLAGS[dim]} must be at least 1, or -1 to infer it (got {value})")
         known = 1
-        for dim, value in degrees.items():
+        for value in degrees.values():
             known *= value if value != -1 else 1
         if inferred:
             if world_size % known:
@@ -84,12 +85,12 @@ class Layout:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Collective: every rank builds the same mesh (one process group per dimension)."""
         self.mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in DIMS), mesh_dim_names=DIMS)
-        self.mesh["dp_replicate", "dp_shard"]._flatten("dp")  # one group over all data-parallel ranks
+        self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")  # one group over all data-parallel ranks
         return self.mesh
 
     # --- sub-meshes and this rank's place (after build_mesh) ----------------------------
     def sub(self, name: str) -> DeviceMesh:
-        return self.mesh[name]
+        return self.dp_mesh if name == "dp" else self.mesh[name]
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
@@ -100,10 +101,10 @@ class Layout:
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
 
     def rank_in(self, name: str) -> int:
-        return self.mesh[name].get_local_rank()
+        return self.sub(name).get_local_rank()
 
     def group(self, name: str):
-        return self.mesh[name].get_group()
+        return self.sub(name).get_group()
 
     @property
     def dp_rank(self) -> int:

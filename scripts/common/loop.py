@@ -133,6 +133,9 @@ def run_training(accelerator, args, *, name: str, layout: Layout, model, optimiz
         scheduler.step()
         if step == start_step:
             state_bytes = training_state_bytes(model, optimizer)  # exact: local shards of params, grads, Adam moments
+            if accelerator.is_main_process:
+                bar.write(f"  measured on the first step (rank 0): parameters + gradients + optimizer state {state_bytes['total_bytes'] / 2**20:.2f} MiB; collectives "
+                          + (", ".join(f"{k} {v['calls']} calls / {v['mib']:.3f} MiB" for k, v in comm.items()) or "none"))
         optimizer.zero_grad(set_to_none=True)
         step += 1
         throughput.add(tokens_per_step, time.perf_counter() - step_start)

@@ -43,7 +43,7 @@ def stage_layers(n_layer: int, n_stages: int, split_points: list[int] | None = N
         cuts = [0]
         for s in range(n_stages):
             cuts.append(cuts[-1] + base + (1 if s < extra else 0))
-    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+    return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
 def stages_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
@@ -151,7 +151,7 @@ def build_schedule(chunks: list[PipelineChunk], layout: Layout, schedule: str, n
 
     stages_per_rank = len(chunks)
     mine = stages_of_rank(layout.pp_rank, layout.pp, stages_per_rank)
-    stages = [Stage(chunk, stage_index=s, num_stages=layout.pp * stages_per_rank, device=device, group=layout.group("pp")) for chunk, s in zip(chunks, mine)]
+    stages = [Stage(chunk, stage_index=s, num_stages=layout.pp * stages_per_rank, device=device, group=layout.group("pp")) for chunk, s in zip(chunks, mine, strict=True)]
     for stage in stages:
         stage.reset_counters()
     if schedule in MULTI_STAGE_SCHEDULES:
@@ -235,8 +235,13 @@ def apply_fsdp(model: GPT, roots: list[nn.Module], fsdp_mesh, mixed_precision: s
     what is left: embeddings, final norm, head. A unit's parameters are all-gathered just
     before its forward and again before its backward, and its gradients reduce-scattered
     right after its backward, so only one block is ever unsharded at a time."""
+    import warnings
+
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    # Under TP the root returns the logits as a view of a DTensor's local tensor. FSDP warns that an
+    # in-place op on that view would skip its hooks; the loss only reads the logits, never writes them.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     kwargs = {"mesh": fsdp_mesh, "mp_policy": fsdp_mixed_precision(mixed_precision),
               "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
     for block in model.blocks.values():
