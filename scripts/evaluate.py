@@ -23,7 +23,8 @@ import torch  # noqa: E402
 
 from common.checkpoint import load_exported  # noqa: E402
 from common.data import add_data_args, check_data_args, load_data, make_eval_loader  # noqa: E402
-from common.launch import HelpFormatter, UsageError, make_accelerator, run_main  # noqa: E402
+from common.errors import UsageError  # noqa: E402
+from common.launch import HelpFormatter, make_accelerator, run_main  # noqa: E402
 from common.metrics import evaluate  # noqa: E402
 
 

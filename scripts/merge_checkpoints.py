@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 import torch  # noqa: E402
 
 from common.checkpoint import load_exported, write_model_dir  # noqa: E402
-from common.launch import HelpFormatter, UsageError, run_main  # noqa: E402
+from common.errors import UsageError  # noqa: E402
+from common.launch import HelpFormatter, run_main  # noqa: E402
 
 
 def main():

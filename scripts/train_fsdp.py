@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 from accelerate.utils import set_seed  # noqa: E402
 
-from common.launch import UsageError, build_parser, run_main  # noqa: E402
+from common.errors import UsageError  # noqa: E402
+from common.launch import build_parser, run_main  # noqa: E402
 from common.loop import Run, sharded_step  # noqa: E402
 from common.model import GPT  # noqa: E402
 from common.parallel import apply_activation_checkpointing, apply_fsdp  # noqa: E402

@@ -37,7 +37,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint, write_model_dir  # noqa: E402
 from common.data import data_source, load_data, make_eval_loader, make_train_loader  # noqa: E402
-from common.launch import UsageError, build_parser, check_core_args, launcher_sharding, make_accelerator, run_main  # noqa: E402
+from common.errors import UsageError  # noqa: E402
+from common.launch import build_parser, check_core_args, launcher_sharding, make_accelerator, run_main  # noqa: E402
 from common.metrics import MetricsWriter, Throughput, evaluate, peak_flops, peak_memory_mb, ring_allreduce_bytes  # noqa: E402
 from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token  # noqa: E402
 from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args  # noqa: E402

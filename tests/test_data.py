@@ -11,7 +11,7 @@ from conftest import REPO, TINY, launch, read_metrics
 
 sys.path.insert(0, str(REPO / "scripts"))
 from common.data import add_data_args, build_addition, load_data  # noqa: E402
-from common.launch import UsageError  # noqa: E402
+from common.errors import UsageError  # noqa: E402
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(200))
 

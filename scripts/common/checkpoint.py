@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
-from .launch import UsageError
+from .errors import UsageError
 from .model import GPT, GPTConfig
 
 STATE_FILE = "trainer_state.json"

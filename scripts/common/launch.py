@@ -9,11 +9,9 @@ from datetime import timedelta
 
 import torch
 
+from .data import add_data_args, check_data_args
+from .errors import UsageError
 from .model import MODEL_PRESETS
-
-
-class UsageError(Exception):
-    """Bad input: reported as one line naming the flag and the fix, exit code 2."""
 
 
 def run_main(main) -> None:
@@ -52,8 +50,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The core flags of the script contract (../shared/CONVENTIONS.md); scripts add their own."""
-    from .data import add_data_args
-
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--output_dir", default=None, help="everything the run writes goes here (None: runs/<strategy>)")
@@ -93,8 +89,6 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def check_core_args(args) -> None:
     """Checks that need nothing but the flags: they run before any process group exists."""
-    from .data import check_data_args
-
     positive = ("max_steps", "batch_size", "gradient_accumulation_steps", "log_every", "eval_batch_size")
     for flag in positive:
         if getattr(args, flag) < 1:

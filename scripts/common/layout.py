@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .launch import UsageError
+from .errors import UsageError
 from .model import GPTConfig
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")

@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from .checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from .data import data_source, load_data, make_train_loader
-from .launch import UsageError, check_core_args, launcher_sharding, make_accelerator
+from .errors import UsageError
+from .launch import check_core_args, launcher_sharding, make_accelerator
 from .layout import Layout
 from .metrics import MetricsWriter, Throughput, peak_flops, peak_memory_mb
 from .model import GPT, count_parameters, cross_entropy_sum, flops_per_token

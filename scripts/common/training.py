@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .launch import UsageError
+from .errors import UsageError
 from .model import GPTConfig
 
 
