@@ -8,10 +8,12 @@ is counted exactly once and the result is the same for 1, 2 or 3 processes.
     python scripts/evaluate.py --model_dir runs/ddp/model --generate 5
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/evaluate.py --model_dir runs/ddp/model
 
-The data set is the one the model was trained on (model/data.json); data flags override it.
+The data set is the one the model was trained on (model/data.json); naming another one
+(--dataset, --dataset_name or --train_file) replaces it whole, and the other data flags override it.
 Prints one JSON object (eval_loss, exact_match or perplexity, num_samples) and writes it to
 --output_file if given.
 """
+
 import argparse
 import json
 import sys
@@ -19,13 +21,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
 
-import torch  # noqa: E402
+import torch
 
-from common.checkpoint import load_exported  # noqa: E402
-from common.data import add_data_args, check_data_args, load_data, make_eval_loader  # noqa: E402
-from common.errors import UsageError  # noqa: E402
-from common.launch import HelpFormatter, make_accelerator, run_main  # noqa: E402
-from common.metrics import evaluate  # noqa: E402
+from common.checkpoint import load_exported
+from common.data import SOURCE_DEFAULTS, SOURCE_KEYS, add_data_args, check_data_args, load_data, make_eval_loader
+from common.errors import UsageError
+from common.launch import HelpFormatter as _LaunchHelpFormatter
+from common.launch import make_accelerator, run_main
+from common.metrics import evaluate
+
+
+class HelpFormatter(_LaunchHelpFormatter):
+    """Shows a default only where there is one: a flag whose default is None says in its help what
+    happens without it, so no "(default: None)" is added."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,11 +44,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_dir", required=True, help="a saved model: OUTPUT_DIR/model of a training run")
     p.add_argument("--output_file", help="also write the JSON result here")
     p.add_argument("--batch_size", type=int, default=250, help="evaluation batch per process")
-    p.add_argument("--generate", type=int, default=0, metavar="N", help="print N greedy samples (addition answers, text continuations)")
+    p.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print N greedy samples (addition answers, text continuations)",
+    )
     p.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA exists")
     p.add_argument("--collective_timeout", type=float, default=300, help="seconds a collective may wait for a peer")
-    add_data_args(p)
+    add_data_args(p, defaults_from_model=True)
     return p
+
+
+def chosen_data(flags: dict) -> tuple[str, object]:
+    """The data set the data flags select, in load_data's order: a hub name, else a train file, else a built-in."""
+    key = next((k for k in ("dataset_name", "train_file") if flags.get(k) is not None), "dataset")
+    return key, flags.get(key)
+
+
+def model_data_defaults(source: dict, given: argparse.Namespace) -> dict:
+    """The data flags' defaults: the data the model was trained on (its data.json), unless the command
+    line names another data set, which replaces the model's whole (its hub name and files no longer apply)."""
+    if chosen_data(vars(given))[1] is not None and chosen_data(vars(given)) != chosen_data(source):
+        source = {}
+    return {**SOURCE_DEFAULTS, **{k: v for k, v in source.items() if k in SOURCE_KEYS and v is not None}}
 
 
 @torch.no_grad()
@@ -60,7 +91,10 @@ def show_samples(model, validation, task: str, n: int, device) -> None:
             got = bytes(greedy(model, ids[:answer_start], 12, stop=ord("\n"))).decode().strip()
             a, b = prompt[:-1].split("+")
             want = str(int(a) + int(b))
-            print(f"{prompt}{got:<6} i.e. {int(a)} + {int(b)} = {got[::-1]:<5} {'ok' if got[::-1] == want else 'WRONG, want ' + want}")
+            print(
+                f"{prompt}{got:<6} i.e. {int(a)} + {int(b)} = {got[::-1]:<5}"
+                f" {'ok' if got[::-1] == want else 'WRONG, want ' + want}"
+            )
         else:
             prompt = ids[:32]
             out = bytes(greedy(model, prompt, 96)).decode(errors="replace")
@@ -71,7 +105,7 @@ def main():
     parser = build_parser()
     known, _ = parser.parse_known_args()
     model, source = load_exported(known.model_dir)
-    parser.set_defaults(**{k: v for k, v in source.items() if v is not None})  # the training data, unless overridden
+    parser.set_defaults(**model_data_defaults(source, known))
     args = parser.parse_args()
     if args.batch_size < 1 or args.generate < 0:
         raise UsageError("--batch_size must be at least 1 and --generate not negative")

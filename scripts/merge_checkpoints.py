@@ -12,18 +12,39 @@ the same config and the first model's data.json. Averaging helps when the models
 replicas of a Local SGD run, or fine-tunes of one base); two models trained apart from different
 initialisations sit in different basins, and their average is usually worse than either.
 """
+
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
 
-import torch  # noqa: E402
+import torch
 
-from common.checkpoint import load_exported, write_model_dir  # noqa: E402
-from common.errors import UsageError  # noqa: E402
-from common.launch import HelpFormatter, run_main  # noqa: E402
+from common.checkpoint import load_exported, write_model_dir
+from common.errors import UsageError
+from common.launch import HelpFormatter as _LaunchHelpFormatter
+from common.launch import run_main
+
+
+class HelpFormatter(_LaunchHelpFormatter):
+    """Shows a default only where there is one: a flag whose default is None says in its help what
+    happens without it, so no "(default: None)" is added."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def missing_model_hint(model_dir: Path) -> str:
+    """What to do about a directory without model.safetensors."""
+    if model_dir.parent.name == "rank_models" and re.fullmatch(r"rank_\d+", model_dir.name):
+        return (
+            "train_localsgd.py writes OUTPUT_DIR/rank_models/rank_N only when run with --save_rank_models"
+            " (or pass OUTPUT_DIR/model of a training run)"
+        )
+    return "pass OUTPUT_DIR/model of a training run"
 
 
 def main():
@@ -46,14 +67,20 @@ def main():
         raise UsageError(f"--out {out} is one of the inputs: write the merge elsewhere")
     for d in args.model_dirs:
         if not (Path(d) / "model.safetensors").is_file():
-            raise UsageError(f"{d}: no model.safetensors here (pass OUTPUT_DIR/model of a training run)")
+            raise UsageError(f"{d}: no model.safetensors here: {missing_model_hint(Path(d))}")
 
     models = [load_exported(d) for d in args.model_dirs]
     first_config = models[0][0].config
     for d, (model, _) in zip(args.model_dirs[1:], models[1:]):
         if model.config != first_config:
-            diff = ", ".join(f"{k} {v} vs {getattr(model.config, k)}" for k, v in first_config.to_dict().items() if getattr(model.config, k) != v)
-            raise UsageError(f"{d}: another model than {args.model_dirs[0]} ({diff}): only models of one config can be averaged")
+            diff = ", ".join(
+                f"{k} {v} vs {getattr(model.config, k)}"
+                for k, v in first_config.to_dict().items()
+                if getattr(model.config, k) != v
+            )
+            raise UsageError(
+                f"{d}: another model than {args.model_dirs[0]} ({diff}): only models of one config can be averaged"
+            )
 
     total = sum(weights)
     with torch.no_grad():

@@ -18,30 +18,30 @@ Run it:
 Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
 """
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
 
-import torch  # noqa: E402
-from accelerate.utils import GradientAccumulationPlugin, set_seed  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import torch
+from accelerate.utils import GradientAccumulationPlugin, set_seed
 
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint  # noqa: E402
-from common.data import data_source, load_data, make_eval_loader, make_train_loader  # noqa: E402
-from common.launch import build_parser, check_core_args, make_accelerator, run_main  # noqa: E402
-from common.metrics import MetricsWriter, Throughput, evaluate, peak_flops, peak_memory_mb, ring_allreduce_bytes  # noqa: E402
-from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token  # noqa: E402
-from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args  # noqa: E402
+from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.data import data_source, load_data, make_eval_loader, make_train_loader
+from common.launch import build_parser, check_core_args, make_accelerator, run_main
+from common.metrics import RunLog, evaluate, peak_memory_mb, ring_allreduce_bytes
+from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
+from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args
 
 
 def main():
+    # ------------------------------------------------------------------------ flags
     args = build_parser(__doc__).parse_args()
     args.output_dir = args.output_dir or "runs/ddp"
     check_core_args(args)
     model_config = model_config_from_args(args)
     grad_accum = args.gradient_accumulation_steps
 
+    # ------------------------------------------------------------------------ Accelerator
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
     # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False): Accelerate's default
     # would step it once per process, and the LR would then depend on the number of processes.
@@ -50,105 +50,85 @@ def main():
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False, adjust_scheduler=False),
         step_scheduler_with_optimizer=False,
     )
-    dp_size = accelerator.num_processes  # every process is a data-parallel replica
+    dp_size = accelerator.num_processes  # DDP: every process is a data-parallel replica
     global_batch_size = args.batch_size * dp_size * grad_accum
 
-    # Everything that can refuse the run is checked before anything is written.
+    # ------------------------------------------------------------------------ data (checked before anything is written)
     data = load_data(args, accelerator, model_config.block_size)
+    train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
+    eval_loader = make_eval_loader(data.validation, args.eval_batch_size)
     resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
 
+    # ------------------------------------------------------------------------ model
     set_seed(args.seed)  # Accelerate: seeds python, numpy and torch; same value on every rank
     model = GPT(model_config)  # the same full model on every rank: the replicas start equal
+    n_params = count_parameters(model)
+
+    # ------------------------------------------------------------------------ optimizer
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     train_sampler = train_loader.sampler
-    eval_loader = make_eval_loader(data.validation, args.eval_batch_size)
 
-    # ---------------------------------------------------------------- the data-parallel strategy
+    # ------------------------------------------------------------------------ DDP: the strategy
     # Accelerate: wraps the model in DistributedDataParallel (gradient all-reduce in backward),
     # moves everything to the device, and shards each loader: rank r takes every dp_size-th micro-batch.
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
-    # ----------------------------------------------------------------------------------------------
 
-    progress = {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    if resume_path:
-        progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
     stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress["epoch"], progress["samples_in_epoch"])
 
-    n_params = count_parameters(model)
+    # ------------------------------------------------------------------------ the training loop
+    step = start_step = progress["step"]
+    log = RunLog(accelerator, args, "train_ddp", start_step=step, world_size=dp_size, global_batch_size=global_batch_size,
+                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
     allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
-    tokens_per_step = global_batch_size * data.seq_len
-    throughput = Throughput(flops_per_token(model_config, n_params, data.seq_len), peak_flops(accelerator.device, args.peak_flops))
-    metrics = MetricsWriter(args.output_dir, accelerator.is_main_process)
-    accelerator.init_trackers("train_ddp", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})  # Accelerate: trackers
     accelerator.print(  # Accelerate: prints on the main process only
         f"train_ddp: {dp_size} process(es) on {accelerator.device} ({accelerator.distributed_type}), mixed precision {accelerator.mixed_precision}\n"
         f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters, {model_config.n_layer} layers x {model_config.n_embd} wide\n"
         f"  data {data.task}: {len(data.train)} train / {len(data.validation)} validation samples of {data.seq_len} tokens\n"
         f"  global batch = {args.batch_size} per rank x {dp_size} ranks x {grad_accum} accumulation = {global_batch_size} samples\n"
         f"  gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB = {allreduce_mib:.1f} MiB"
-        + (f"\n  resuming from {resume_path} at step {progress['step']}" if resume_path else "")
+        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
     )
-
-    step, start_step, run_start = progress["step"], progress["step"], time.perf_counter()
-    bar = tqdm(total=args.max_steps, initial=step, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
     model.train()
-    last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
-    while step < last_step:
-        step_start = time.perf_counter()
+    while step < min(args.max_steps, args.stop_at_step or args.max_steps):
+        log.step_start()
         # The loss is normalised by the target count of the whole global batch (all micro-batches,
         # all ranks), not by per-micro-batch means, which weight tokens unequally when counts differ.
         window, global_targets = stream.next_step()
-        step_loss_sum = torch.zeros((), device=accelerator.device)
+        loss_sum = torch.zeros((), device=accelerator.device)
         for mb in window:
             with accelerator.accumulate(model):  # Accelerate: skips DDP's all-reduce until the last micro-batch
-                loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
+                mb_loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
                 # DDP averages gradients over dp_size ranks and accelerator.backward divides by
                 # grad_accum: scale back so the gradient is that of (global loss sum / global targets).
-                accelerator.backward(loss_sum * dp_size * grad_accum / global_targets)  # Accelerate: backward (+ loss scaling)
-                step_loss_sum += loss_sum.detach()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm > 0 else None  # Accelerate: clip (unscales first)
+                accelerator.backward(mb_loss_sum * dp_size * grad_accum / global_targets)  # Accelerate: backward, DDP: all-reduce
+                loss_sum += mb_loss_sum.detach()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm > 0 else None  # Accelerate: clip
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        throughput.add(tokens_per_step, time.perf_counter() - step_start)
-        bar.update(1)
+        log.step_end()
 
-        if step % args.log_every == 0 or step == args.max_steps:
-            loss = (accelerator.reduce(step_loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            record = {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
-                      "global_batch_size": global_batch_size, "world_size": dp_size, "epoch": stream.epoch, **throughput.report(dp_size)}
-            metrics.write(record)
-            accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=step)  # Accelerate: trackers
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-        if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
-            result = evaluate(accelerator, model, eval_loader, data.task)  # gather_for_metrics inside
-            metrics.write({"type": "eval", "step": step, **result, "elapsed_s": round(time.perf_counter() - run_start, 2)})
-            accelerator.log({k: v for k, v in result.items() if k != "num_samples"}, step=step)
-            if accelerator.is_main_process:
-                bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in result.items()))
-        if (args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.stop_at_step:
+        if log.is_log_step(step):
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
+        if log.is_eval_step(step):
+            log.eval(step, evaluate(accelerator, model, eval_loader, data.task))  # gather_for_metrics inside
+        if log.is_checkpoint_step(step):
             state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": dp_size,
                      "seed": args.seed, "model_config": model_config.to_dict()}
             save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
-    bar.close()
     stream.close()
 
+    # ------------------------------------------------------------------------ save
     if step == args.max_steps:
         export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # every rank; main writes
-    elapsed = time.perf_counter() - run_start
     peak_mb = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))  # Accelerate: all-gather
-    summary = {"type": "summary", "steps": step - start_step, "final_step": step, "time_s": round(elapsed, 2),
-               **throughput.summary(dp_size), "n_params": n_params,
-               "global_batch_size": global_batch_size, "world_size": dp_size,
-               "peak_memory_mb_max_rank": round(peak_mb.max().item(), 1), "peak_memory_mb_all_ranks": round(peak_mb.sum().item(), 1),
-               "gradient_allreduce_mib_per_step_per_rank": round(allreduce_mib, 3)}
-    metrics.write(summary)
-    saved = f"model saved to {Path(args.output_dir) / 'model'}" if step == args.max_steps else f"stopped at step {step}: continue with --resume_from_checkpoint latest"
-    accelerator.print(f"done: {summary}\n{saved}; metrics in {metrics.path}")
+    log.summary(step, n_params=n_params, peak_memory_mb_max_rank=round(peak_mb.max().item(), 1),
+                peak_memory_mb_all_ranks=round(peak_mb.sum().item(), 1), gradient_allreduce_mib_per_step_per_rank=round(allreduce_mib, 3))
     # Accelerate: closes trackers and destroys the process group. Free the DDP wrapper first, while
     # every peer is still there: its destructor tears down a gloo group that can wait on a peer.
     del model, optimizer, scheduler, train_loader, eval_loader, stream

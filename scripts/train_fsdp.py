@@ -16,61 +16,183 @@ Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_fsdp.py
     accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 scripts/train_fsdp.py --model_size gpt2
     ... scripts/train_fsdp.py --dp_replicate 2     # HSDP: shard inside groups, replicate across them
-Accelerate's own FSDP plugin is not used: on CPU it is silently ignored (CONVENTIONS pitfall 3),
-so this file applies FSDP2 itself and refuses a launch that also asks Accelerate for FSDP.
+Lines marked `# FSDP:` are the strategy; `# Accelerate:` the library's part. Accelerate's own
+FSDP plugin is not used (on CPU it is silently ignored): this file applies FSDP2 itself.
 """
+
 import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
 
-from accelerate.utils import set_seed  # noqa: E402
+import torch
+from accelerate.utils import set_seed
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.errors import UsageError  # noqa: E402
-from common.launch import build_parser, run_main  # noqa: E402
-from common.loop import Run, sharded_step  # noqa: E402
-from common.model import GPT  # noqa: E402
-from common.parallel import apply_activation_checkpointing, apply_fsdp  # noqa: E402
+from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.data import data_source, load_data, make_train_loader
+from common.errors import UsageError
+from common.launch import build_parser, check_core_args, make_accelerator, run_main
+from common.layout import Layout
+from common.metrics import (CollectiveCounter, RunLog, evaluate_sharded, first_step_line, sharded_start_lines, sharded_summary,
+                            training_state_bytes)
+from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
+from common.training import TrainStream, clip_grad_norm_, make_optimizer, make_scheduler, model_config_from_args, shard_loader
 
 
-def check_fsdp_flags(run: Run, args) -> None:
-    if args.cpu_offload and run.accelerator.device.type == "cpu":
-        raise UsageError("--cpu_offload moves shards, gradients and optimizer state from the accelerator to CPU memory, but this run is already on the CPU: drop --cpu_offload (or run on GPUs)")
+# ============================================================================ FSDP: the strategy
+def apply_activation_checkpointing(model: GPT) -> None:
+    """Recompute each block's activations in backward instead of storing them. The composable
+    `checkpoint` adds no wrapper module, so parameter names stay those of the full model."""
+    from torch.distributed._composable import checkpoint
+
+    for block in model.blocks.values():
+        checkpoint(block)
+
+
+def apply_fsdp(model: GPT, roots: list, mesh, mixed_precision: str = "no", reshard_after_forward: bool = True,
+               cpu_offload: bool = False) -> None:
+    """One FSDP unit per block, then each root (the whole model, or each pipeline stage) holding
+    what is left: embeddings, final norm, head. A unit's parameters are all-gathered just before
+    its forward and again before its backward, and its gradients reduce-scattered right after its
+    backward, so only one block is ever unsharded at a time. A 2-D mesh makes it HSDP: replicate
+    over dim 0, shard over dim 1."""
+    import warnings
+
+    # Under TP the root returns the logits as a view of a DTensor's local tensor: FSDP warns that an
+    # in-place op on that view would skip its hooks; the loss only reads the logits.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    # bf16 compute, fp32 gradient reduction and fp32 master weights (the launcher's --mixed_precision)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+              "mp_policy": bf16 if mixed_precision == "bf16" else MixedPrecisionPolicy(),
+              "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    for block in model.blocks.values():
+        fully_shard(block, **kwargs)
+    for root in roots:
+        fully_shard(root, **kwargs)
+
+
+def fsdp_forward_backward(accelerator, model, window: list, global_targets: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
+    normalised by the target count of the whole global batch; FSDP averages gradients over the
+    dp ranks, so it is multiplied by dp (as in train_ddp.py)."""
+    step_loss_sum = torch.zeros((), device=accelerator.device)
+    for i, mb in enumerate(window):
+        if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
+            model.set_requires_gradient_sync(i == len(window) - 1)
+        with accelerator.autocast():  # Accelerate: autocast
+            loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
+            accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
+        step_loss_sum += loss_sum.detach()
+    return step_loss_sum
 
 
 def main():
+    # ------------------------------------------------------------------------ flags
     parser = build_parser(__doc__)
     g = parser.add_argument_group("fully sharded data parallel")
-    g.add_argument("--dp_replicate", type=int, default=1, help="HSDP: replicate over this many groups, shard inside each (1: plain FSDP over all processes)")
+    g.add_argument("--dp_replicate", type=int, default=1,
+                   help="HSDP: replicate over this many groups, shard inside each (1: plain FSDP over all processes)")
     g.add_argument("--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="free gathered weights after forward and gather again in backward (ZeRO-3); --no-reshard_after_forward keeps them until backward (ZeRO-2 like: more memory, one all-gather less)")
+                   help="free gathered weights after forward and gather again in backward (ZeRO-3); --no-reshard_after_forward "
+                   "keeps them until backward (ZeRO-2 like: more memory, one all-gather less)")
     g.add_argument("--cpu_offload", action="store_true", help="keep shards, gradients and optimizer state in CPU memory (GPU runs)")
-    g.add_argument("--activation_checkpointing", action="store_true", help="recompute each block's activations in backward instead of storing them")
+    g.add_argument("--activation_checkpointing", action="store_true",
+                   help="recompute each block's activations in backward instead of storing them")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/fsdp"
-    # Accelerator, layout (all processes shard the data), data; every check before anything is written
-    run = Run(args, "train_fsdp", dp_replicate=args.dp_replicate, dp_shard=-1, check=lambda run: check_fsdp_flags(run, args))
-    layout = run.layout
+    check_core_args(args)
+    model_config = model_config_from_args(args)
 
+    # ------------------------------------------------------------------------ Accelerator and layout
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
+    # the scheduler counts optimizer steps, whatever the layout.
+    accelerator = make_accelerator(args, sharded="train_fsdp", step_scheduler_with_optimizer=False)
+    layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1)  # FSDP: all ranks
+    global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
+    if args.cpu_offload and accelerator.device.type == "cpu":
+        raise UsageError("--cpu_offload moves shards, gradients and optimizer state from the accelerator to CPU memory, but this "
+                         "run is already on the CPU: drop --cpu_offload (or run on GPUs)")
+
+    # ------------------------------------------------------------------------ data (checked before anything is written)
+    data = load_data(args, accelerator, model_config.block_size)
+    train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
+    resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
+    layout.build_mesh(accelerator.device.type)
+
+    # ------------------------------------------------------------------------ model
     set_seed(args.seed)  # Accelerate: the same full model on every rank, then sharded: init independent of the layout
-    model = GPT(run.model_config).to(run.accelerator.device)
+    model = GPT(model_config).to(accelerator.device)
+    n_params = count_parameters(model)
 
-    # ---------------------------------------------------------------- the fully-sharded strategy
+    # ------------------------------------------------------------------------ FSDP: the strategy
     if args.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    # one FSDP unit per block, then the root (embeddings, final norm, head); a 2-D mesh means HSDP
-    apply_fsdp(model, [model], layout.fsdp_mesh, run.accelerator.mixed_precision,
+        apply_activation_checkpointing(model)  # FSDP: less activation memory, one more forward per block
+    apply_fsdp(model, [model], layout.fsdp_mesh, accelerator.mixed_precision,  # FSDP: shard every block, then the root
                reshard_after_forward=args.reshard_after_forward, cpu_offload=args.cpu_offload)
-    forward_backward, predict = sharded_step(run.accelerator, model, layout)
-    # ----------------------------------------------------------------------------------------------
 
+    # ------------------------------------------------------------------------ optimizer (after sharding: it sees the shards)
+    optimizer = make_optimizer(model, args)
+    scheduler = make_scheduler(optimizer, args)
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model: FSDP owns it)
+    train_sampler = train_loader.sampler
+    train_loader = shard_loader(train_loader, accelerator, layout)  # Accelerate: rank r takes every dp-th micro-batch
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, args.gradient_accumulation_steps,
+                         progress["epoch"], progress["samples_in_epoch"], dp_group=layout.group("dp"))
+
+    # ------------------------------------------------------------------------ the training loop
+    step = start_step = progress["step"]
+    log = RunLog(accelerator, args, "train_fsdp", start_step=step, world_size=layout.world_size, global_batch_size=global_batch_size,
+                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
     kind = f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards" if layout.dp_replicate > 1 else f"FSDP over {layout.dp_shard} ranks"
-    run.train(model, forward_backward, predict, strategy_lines=[
-        f"{kind}; reshard after forward {'on (ZeRO-3)' if args.reshard_after_forward else 'off (ZeRO-2 like)'}, "
-        f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}, cpu offload {'on' if args.cpu_offload else 'off'}",
-        f"ZeRO-3 ideal per rank: DDP's state / {layout.dp_shard} (measured exactly after the first step: state_bytes_per_rank_max in the summary)",
-    ])
+    accelerator.print(
+        f"train_fsdp: {layout.world_size} process(es) on {accelerator.device}, mixed precision {accelerator.mixed_precision}\n{layout.table()}\n"
+        f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters; data {data.task}: {len(data.train)} train samples of {data.seq_len} tokens\n"
+        f"  global batch = {args.batch_size} per rank x {layout.dp} dp ranks x {args.gradient_accumulation_steps} accumulation = {global_batch_size}\n"
+        f"  {kind}; reshard after forward {'on (ZeRO-3)' if args.reshard_after_forward else 'off (ZeRO-2 like)'}\n"
+        + sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
+        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
+    )
+    state_bytes, comm = {}, {}  # measured on the first step
+    model.train()
+    while step < min(args.max_steps, args.stop_at_step or args.max_steps):
+        log.step_start()
+        window, global_targets = stream.next_step()
+        with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
+            loss_sum = fsdp_forward_backward(accelerator, model, window, global_targets, layout.dp)  # FSDP: gather, compute, reduce-scatter
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's norm
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()  # FSDP: each rank updates its own shard
+        scheduler.step()
+        if step == start_step:
+            state_bytes, comm = training_state_bytes(model, optimizer), counter.report()
+            log.write(first_step_line(state_bytes, comm))
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        log.step_end()
+
+        if log.is_log_step(step):
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            log.train(step, loss, lr, grad_norm if args.max_grad_norm else None, layout=layout.describe(), epoch=stream.epoch)
+        if log.is_eval_step(step):
+            model.eval()
+            log.eval(step, evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task))
+            model.train()
+        if log.is_checkpoint_step(step):
+            state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": layout.world_size,
+                     "layout": layout.describe(), "seed": args.seed, "model_config": model_config.to_dict()}
+            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
+    stream.close()
+
+    # ------------------------------------------------------------------------ save
+    if step == args.max_steps:
+        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # every rank: gathers
+    log.summary(step, **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 
 
 if __name__ == "__main__":

@@ -23,29 +23,34 @@ Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml --num_processes 4 scripts/train_hybrid.py --dp_shard 2 --tp_size 2
     accelerate launch ... --num_processes 8 scripts/train_hybrid.py --n_layer 4 --pp_size 2 --dp_shard 2 --tp_size 2
 Strategies are applied in a fixed order (split into stages, then TP, then activation
-checkpointing, then FSDP), by the same functions the single-strategy scripts use.
+checkpointing, then FSDP), by the functions imported from train_pp.py, train_tp.py and
+train_fsdp.py: this file holds the mesh and the order, no strategy code of its own.
 A checkpoint saved by any script and layout resumes under any other (same model, same global batch).
 """
+
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
 
-from accelerate.utils import set_seed  # noqa: E402
+import torch
+from accelerate.utils import set_seed
+from train_fsdp import apply_activation_checkpointing, apply_fsdp
+from train_pp import PipelineStep, add_pipeline_args, check_pipeline_args, check_pipeline_flags, split_pipeline
+from train_tp import apply_tensor_parallel, check_tp_flags, tp_forward_backward
 
-from common.launch import build_parser, run_main  # noqa: E402
-from common.loop import PipelineStep, Run, add_pipeline_args, check_pipeline_args, check_pipeline_flags, check_tp_flags, pipeline_summary, sharded_step  # noqa: E402
-from common.model import GPT  # noqa: E402
-from common.parallel import apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel, split_pipeline  # noqa: E402
-
-
-def check_hybrid_flags(run: Run, args) -> None:
-    check_tp_flags(run, args.sequence_parallel, args.loss_parallel)
-    if run.layout.pp > 1:
-        check_pipeline_flags(run, args)
+from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.data import data_source, load_data, make_train_loader
+from common.launch import build_parser, check_core_args, make_accelerator, run_main
+from common.layout import Layout
+from common.metrics import (CollectiveCounter, RunLog, evaluate_sharded, first_step_line, sharded_start_lines, sharded_summary,
+                            training_state_bytes)
+from common.model import GPT, count_parameters, flops_per_token
+from common.training import TrainStream, clip_grad_norm_, make_optimizer, make_scheduler, model_config_from_args, shard_loader
 
 
 def main():
+    # ------------------------------------------------------------------------ flags
     parser = build_parser(__doc__)
     g = parser.add_argument_group("layout (the product must equal the number of processes; one may be -1: inferred)")
     g.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
@@ -59,33 +64,114 @@ def main():
     add_pipeline_args(parser)
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/hybrid"
+    check_core_args(args)
     check_pipeline_args(args)
-    # Accelerator, layout (checked once: product = world size, TP divides heads, PP <= layers), data
-    run = Run(args, "train_hybrid", stages_per_rank=args.stages_per_rank, pp=args.pp_size, dp_replicate=args.dp_replicate,
-              dp_shard=args.dp_shard, tp=args.tp_size, check=lambda run: check_hybrid_flags(run, args))
-    layout, accelerator = run.layout, run.accelerator
+    model_config = model_config_from_args(args)
 
+    # ------------------------------------------------------------------------ Accelerator and layout
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
+    # the scheduler counts optimizer steps, whatever the layout.
+    accelerator = make_accelerator(args, sharded="train_hybrid", step_scheduler_with_optimizer=False)
+    # one object holds the degrees, checked once: product = world size, TP divides heads, PP <= layers
+    layout = Layout.from_degrees(accelerator.num_processes, pp=args.pp_size, dp_replicate=args.dp_replicate,
+                                 dp_shard=args.dp_shard, tp=args.tp_size)
+    layout.check_model(model_config, args.stages_per_rank)
+    if layout.pp > 1:
+        check_pipeline_flags(layout, model_config.n_layer, args)
+    global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
+
+    # ------------------------------------------------------------------------ data (checked before anything is written)
+    data = load_data(args, accelerator, model_config.block_size)
+    train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
+    check_tp_flags(layout, data.seq_len, data.task, args.sequence_parallel, args.loss_parallel)
+    resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
+    layout.build_mesh(accelerator.device.type)
+
+    # ------------------------------------------------------------------------ model
     set_seed(args.seed)  # Accelerate: the same full model on every rank before any cut: init independent of the layout
-    model = GPT(run.model_config).to(accelerator.device)
+    model = GPT(model_config).to(accelerator.device)
+    n_params = count_parameters(model)
 
-    # ---------------------------------------------------------------- the hybrid strategy, in torchtitan's order
+    # ------------------------------------------------------------------------ the strategies, in torchtitan's order
     stages = split_pipeline(model, layout, args.stages_per_rank, args.split_points) if layout.pp > 1 else None  # 1. PP
-    if layout.tp > 1:                                                                                           # 2. TP
-        apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)
-    if args.activation_checkpointing:                                                                           # 3. AC
-        apply_activation_checkpointing(model)
-    if layout.dp > 1:                                                                                           # 4. FSDP/HSDP
-        apply_fsdp(model, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision)
+    if layout.tp > 1:
+        apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)  # 2. TP
+    if args.activation_checkpointing:
+        apply_activation_checkpointing(model)  # 3. activation checkpointing
+    if layout.dp > 1:
+        apply_fsdp(model, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision)  # 4. FSDP / HSDP
     if layout.pp > 1:
         pipeline = PipelineStep(accelerator, layout, stages, args.schedule, args.n_microbatches, args.loss_parallel)
-        forward_backward, predict = pipeline, pipeline.predict
+        forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
     else:
-        forward_backward, predict = sharded_step(accelerator, model, layout, args.loss_parallel)
-    # ----------------------------------------------------------------------------------------------
+        def forward_backward(window, global_targets):
+            return tp_forward_backward(accelerator, model, window, global_targets, layout.dp, args.loss_parallel)
+        predict, eval_batch_size = model, args.eval_batch_size
 
-    run.train(model, forward_backward, predict, eval_batch_size=args.batch_size if layout.pp > 1 else None, strategy_lines=[
-        f"order: {' -> '.join(name for name, on in (('pipeline split', layout.pp > 1), ('tensor parallel', layout.tp > 1), ('activation checkpointing', args.activation_checkpointing), ('HSDP' if layout.dp_replicate > 1 else 'FSDP', layout.dp > 1)) if on) or 'none (one process)'}",
-    ], extra_summary=(lambda: pipeline_summary(run, pipeline, args)) if layout.pp > 1 else None)
+    # ------------------------------------------------------------------------ optimizer (after every cut: it sees the shards)
+    optimizer = make_optimizer(model, args)
+    scheduler = make_scheduler(optimizer, args)
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model: the strategies own it)
+    train_sampler = train_loader.sampler
+    train_loader = shard_loader(train_loader, accelerator, layout)  # Accelerate: sharded over the data-parallel ranks only
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, args.gradient_accumulation_steps,
+                         progress["epoch"], progress["samples_in_epoch"], dp_group=layout.group("dp"))
+
+    # ------------------------------------------------------------------------ the training loop
+    step = start_step = progress["step"]
+    log = RunLog(accelerator, args, "train_hybrid", start_step=step, world_size=layout.world_size, global_batch_size=global_batch_size,
+                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
+    order = [name for name, on in (("pipeline split", layout.pp > 1), ("tensor parallel", layout.tp > 1),
+                                   ("activation checkpointing", args.activation_checkpointing),
+                                   ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp > 1)) if on]
+    accelerator.print(
+        f"train_hybrid: {layout.world_size} process(es) on {accelerator.device}, mixed precision {accelerator.mixed_precision}\n{layout.table()}\n"
+        f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters; data {data.task}: {len(data.train)} train samples of {data.seq_len} tokens\n"
+        f"  global batch = {args.batch_size} per dp rank x {layout.dp} dp ranks x {args.gradient_accumulation_steps} accumulation = {global_batch_size}\n"
+        f"  order: {' -> '.join(order) or 'none (one process)'}\n"
+        + sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
+        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
+    )
+    state_bytes, comm = {}, {}  # measured on the first step
+    model.train()
+    while step < min(args.max_steps, args.stop_at_step or args.max_steps):
+        log.step_start()
+        window, global_targets = stream.next_step()
+        with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
+            loss_sum = forward_backward(window, global_targets)
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))  # sharded, summed over the stages
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        if step == start_step:
+            state_bytes, comm = training_state_bytes(model, optimizer), counter.report()
+            log.write(first_step_line(state_bytes, comm))
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        log.step_end()
+
+        if log.is_log_step(step):
+            # one rank per data-parallel replica (last stage, TP rank 0) counts its loss sum
+            loss = accelerator.reduce(loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum")  # Accelerate: all-reduce
+            log.train(step, (loss / global_targets).item(), lr, grad_norm if args.max_grad_norm else None, layout=layout.describe(), epoch=stream.epoch)
+        if log.is_eval_step(step):
+            model.eval()
+            log.eval(step, evaluate_sharded(accelerator, predict, data.validation, eval_batch_size, layout, data.task))
+            model.train()
+        if log.is_checkpoint_step(step):
+            state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": layout.world_size,
+                     "layout": layout.describe(), "seed": args.seed, "model_config": model_config.to_dict()}
+            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
+    stream.close()
+
+    # ------------------------------------------------------------------------ save
+    if step == args.max_steps:  # every rank: gathers shards; one rank per stage sends its layers
+        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout=layout)
+    log.summary(step, **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm),
+                **(pipeline.summary(args) if layout.pp > 1 else {}))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 
 
 if __name__ == "__main__":

@@ -15,33 +15,34 @@ parameters after a linear update equals averaging the gradients); with Adam, or 
 replicas wander apart between fusions and the fused model is an average of K-step-apart models:
 less communication, bought with some accuracy per step (benchmarks/bench_localsgd.py measures it).
 
-Each rank normalises its loss over its own targets (a global count would cost a collective per
-step, the thing Local SGD avoids); the logged loss is still the mean over the whole global batch.
+Each rank divides its loss sum by the target count of the whole global batch, as DDP does: the
+count travels one step ahead in a small asynchronous all-reduce that no step waits for. Dividing
+by each rank's own count would weight ranks equally rather than tokens, and K = 1 would then not
+be DDP whenever samples have different numbers of targets (docs/troubleshooting.md, "Local SGD
+with K = 1 differs from DDP").
 
 Run it:
-    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_localsgd.py --sync_every 8
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_localsgd.py --sync_every 8 --save_rank_models
     python scripts/merge_checkpoints.py runs/localsgd/rank_models/rank_0 runs/localsgd/rank_models/rank_1 --out runs/fused/model
 Lines marked `# Accelerate:` are the library's part; `# Local SGD:` marks what differs from train_ddp.py.
 """
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
 
-import torch  # noqa: E402
-from accelerate import DistributedType  # noqa: E402
-from accelerate.local_sgd import LocalSGD  # noqa: E402
-from accelerate.utils import set_seed  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import torch
+from accelerate import DistributedType
+from accelerate.local_sgd import LocalSGD
+from accelerate.utils import set_seed
 
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint, write_model_dir  # noqa: E402
-from common.data import data_source, load_data, make_eval_loader, make_train_loader  # noqa: E402
-from common.errors import UsageError  # noqa: E402
-from common.launch import build_parser, check_core_args, launcher_sharding, make_accelerator, run_main  # noqa: E402
-from common.metrics import MetricsWriter, Throughput, evaluate, peak_flops, peak_memory_mb, ring_allreduce_bytes  # noqa: E402
-from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token  # noqa: E402
-from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args  # noqa: E402
+from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint, write_model_dir
+from common.data import data_source, load_data, make_eval_loader, make_train_loader
+from common.errors import UsageError
+from common.launch import build_parser, check_core_args, launcher_sharding, make_accelerator, run_main
+from common.metrics import RunLog, evaluate, peak_memory_mb, ring_allreduce_bytes
+from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
+from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args
 
 
 def parameter_fingerprint(model) -> torch.Tensor:
@@ -50,9 +51,13 @@ def parameter_fingerprint(model) -> torch.Tensor:
 
 
 def main():
+    # ------------------------------------------------------------------------ flags
     parser = build_parser(__doc__)
-    parser.add_argument("--sync_every", type=int, default=8, help="Local SGD: average the parameters every K optimizer steps (and at the end)")
-    parser.add_argument("--save_rank_models", action="store_true", help="every rank also saves its own model right before the final fusion, to OUTPUT_DIR/rank_models/rank_<r> (for merge_checkpoints.py)")
+    g = parser.add_argument_group("Local SGD")
+    g.add_argument("--sync_every", type=int, default=8, help="average the parameters every K optimizer steps (and at the end)")
+    g.add_argument("--save_rank_models", action="store_true",
+                   help="every rank also saves its own model right before the final fusion, to OUTPUT_DIR/rank_models/rank_<r> "
+                   "(for merge_checkpoints.py)")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/localsgd"
     check_core_args(args)
@@ -61,67 +66,68 @@ def main():
     model_config = model_config_from_args(args)
     grad_accum = args.gradient_accumulation_steps
 
+    # ------------------------------------------------------------------------ Accelerator
     # Local SGD averages whole replicas: a sharded strategy has none. On CPU Accelerate would silently
-    # drop an FSDP config (CONVENTIONS pitfall 3), so the launcher's flags are checked, not only the result.
+    # drop an FSDP config, so the launcher's flags are checked, not only the result.
     sharded = launcher_sharding()
     if sharded:
-        raise UsageError(f"Local SGD averages whole replicas and cannot run under {sharded} (a sharded strategy): launch without an FSDP/DeepSpeed config, e.g. --config_file accelerate_configs/cpu_multi.yaml")
+        raise UsageError(f"Local SGD averages whole replicas and cannot run under {sharded} (a sharded strategy): launch without "
+                         "an FSDP/DeepSpeed config, e.g. --config_file accelerate_configs/cpu_multi.yaml")
     accelerator = make_accelerator(args, step_scheduler_with_optimizer=False)  # Accelerate: process group, device
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-        raise UsageError(f"Local SGD averages whole replicas: it cannot run under {accelerator.distributed_type}; launch without an FSDP/DeepSpeed config")
+        raise UsageError(f"Local SGD averages whole replicas: it cannot run under {accelerator.distributed_type}; launch without "
+                         "an FSDP/DeepSpeed config")
     dp_size = accelerator.num_processes
     global_batch_size = args.batch_size * dp_size * grad_accum
 
+    # ------------------------------------------------------------------------ data (checked before anything is written)
     data = load_data(args, accelerator, model_config.block_size)
+    train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
+    eval_loader = make_eval_loader(data.validation, args.eval_batch_size)
     resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
 
+    # ------------------------------------------------------------------------ model
     set_seed(args.seed)  # Accelerate: same seed on every rank, so the replicas start equal
     model = GPT(model_config)
+    n_params = count_parameters(model)
+
+    # ------------------------------------------------------------------------ optimizer
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     train_sampler = train_loader.sampler
-    eval_loader = make_eval_loader(data.validation, args.eval_batch_size)
+    # Accelerate: DDP wrapper (kept in no_sync by LocalSGD below), devices, loader sharding
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress["epoch"], progress["samples_in_epoch"])
 
-    progress = {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    if resume_path:
-        progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
-    # Local SGD: each rank counts only its own targets: no collective in the training step.
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress["epoch"],
-                         progress["samples_in_epoch"], count_over_ranks=False)
-
-    n_params = count_parameters(model)
+    # ------------------------------------------------------------------------ the training loop
+    step = start_step = progress["step"]
+    log = RunLog(accelerator, args, "train_localsgd", start_step=step, world_size=dp_size, global_batch_size=global_batch_size,
+                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
     fusion_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 parameters, once per fusion
-    n_tensors = len(list(model.parameters()))
-    tokens_per_step = global_batch_size * data.seq_len
-    throughput = Throughput(flops_per_token(model_config, n_params, data.seq_len), peak_flops(accelerator.device, args.peak_flops))
-    metrics = MetricsWriter(args.output_dir, accelerator.is_main_process)
-    accelerator.init_trackers("train_localsgd", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
     accelerator.print(
         f"train_localsgd: {dp_size} process(es) on {accelerator.device} ({accelerator.distributed_type}), fusing every {args.sync_every} steps\n"
         f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters; data {data.task}: {len(data.train)} train samples\n"
         f"  global batch = {args.batch_size} per rank x {dp_size} ranks x {grad_accum} accumulation = {global_batch_size} samples\n"
-        f"  communication: {fusion_mib:.1f} MiB per fusion and rank = {fusion_mib / args.sync_every:.2f} MiB per step (DDP: {fusion_mib:.1f} MiB per step)"
+        f"  communication: {fusion_mib:.1f} MiB per fusion and rank = {fusion_mib / args.sync_every:.2f} MiB per step "
+        f"(DDP: {fusion_mib:.1f} MiB per step)"
+        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
     )
-
-    step, start_step, run_start, fusions = progress["step"], progress["step"], time.perf_counter(), 0
-    bar = tqdm(total=args.max_steps, initial=step, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
+    fusions = 0
     model.train()
-    last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
-    # ---------------------------------------------------------------- the Local SGD strategy
-    # Accelerate: LocalSGD keeps DDP in no_sync() for the whole block (no gradient all-reduce),
+    # Local SGD: LocalSGD keeps DDP in no_sync() for the whole block (no gradient all-reduce),
     # averages the parameters in local_sgd.step() every K steps, and once more on leaving the block.
     with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=args.sync_every, enabled=dp_size > 1) as local_sgd:
-        local_sgd.num_steps = step  # a resumed run fuses at the same steps as an uninterrupted one
-        while step < last_step:
-            step_start = time.perf_counter()
-            window, local_targets = stream.next_step()
-            step_loss_sum = torch.zeros((), device=accelerator.device)
+        local_sgd.num_steps = step  # Local SGD: a resumed run fuses at the same steps as an uninterrupted one
+        while step < min(args.max_steps, args.stop_at_step or args.max_steps):
+            log.step_start()
+            window, global_targets = stream.next_step()
+            loss_sum = torch.zeros((), device=accelerator.device)
             for mb in window:
-                loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
-                accelerator.backward(loss_sum / local_targets)  # Local SGD: this rank's own mean, gradients stay local
-                step_loss_sum += loss_sum.detach()
+                mb_loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
+                # Local SGD: gradients stay local; times dp_size because the fusion averages the replicas
+                accelerator.backward(mb_loss_sum * dp_size / global_targets)
+                loss_sum += mb_loss_sum.detach()
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm > 0 else None
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -131,52 +137,46 @@ def main():
             fused = dp_size > 1 and (step + 1) % args.sync_every == 0
             fusions += fused
             step += 1
-            throughput.add(tokens_per_step, time.perf_counter() - step_start)
-            bar.update(1)
+            log.step_end()
 
-            if step % args.log_every == 0 or step == args.max_steps:
-                totals = accelerator.reduce(torch.stack([step_loss_sum, local_targets.float()]), reduction="sum")
+            if log.is_log_step(step):
+                loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
                 fingerprints = accelerator.gather(parameter_fingerprint(model).reshape(1))  # how far apart the replicas are
-                record = {"type": "train", "step": step, "loss": (totals[0] / totals[1]).item(), "lr": lr,
-                          "grad_norm": None if grad_norm is None else float(grad_norm), "fused": fused,
-                          "param_spread": (fingerprints.max() - fingerprints.min()).item(),
-                          "global_batch_size": global_batch_size, "world_size": dp_size, "epoch": stream.epoch, **throughput.report(dp_size)}
-                metrics.write(record)
-                accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=step)
-                bar.set_postfix(loss=f"{record['loss']:.4f}")
+                log.train(step, loss, lr, grad_norm, fused=fused, param_spread=(fingerprints.max() - fingerprints.min()).item(),
+                          epoch=stream.epoch)
             if args.eval_every and step % args.eval_every == 0 and step < args.max_steps:
                 # between fusions each rank scores its shard with its own replica: a mix of the replicas
-                result = evaluate(accelerator, model, eval_loader, data.task)
-                metrics.write({"type": "eval", "step": step, **result, "elapsed_s": round(time.perf_counter() - run_start, 2)})
-            if (args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.stop_at_step:
+                log.eval(step, evaluate(accelerator, model, eval_loader, data.task))
+            if log.is_checkpoint_step(step):
                 state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": dp_size,
                          "seed": args.seed, "model_config": model_config.to_dict()}
                 # Local SGD: the replicas (and their optimizer states) differ: every rank saves its own
                 save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last, per_rank_state=True)
-        bar.close()
         stream.close()
         if args.save_rank_models and step == args.max_steps:  # every rank writes its own, before the final fusion
             local_state = {k.removeprefix("module."): v.detach().cpu() for k, v in model.state_dict().items()}
-            write_model_dir(local_state, model_config, data_source(args), Path(args.output_dir) / "rank_models" / f"rank_{accelerator.process_index}")
+            rank_dir = Path(args.output_dir) / "rank_models" / f"rank_{accelerator.process_index}"
+            write_model_dir(local_state, model_config, data_source(args), rank_dir)
         accelerator.wait_for_everyone()
     fusions += dp_size > 1 and step % args.sync_every != 0  # leaving the block fused once more
-    # ----------------------------------------------------------------------------------------
 
+    # ------------------------------------------------------------------------ save
     if step == args.max_steps:
         final_spread = accelerator.gather(parameter_fingerprint(model).reshape(1))
-        result = evaluate(accelerator, model, eval_loader, data.task)  # the fused model
-        metrics.write({"type": "eval", "step": step, "fused_model": True, **result, "param_spread": (final_spread.max() - final_spread.min()).item()})
+        log.eval(step, evaluate(accelerator, model, eval_loader, data.task), fused_model=True,  # the fused model
+                 param_spread=(final_spread.max() - final_spread.min()).item())
         export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # the fused model
     steps_run = max(1, step - start_step)
-    summary = {"type": "summary", "steps": step - start_step, "final_step": step, "time_s": round(time.perf_counter() - run_start, 2),
-               **throughput.summary(dp_size), "n_params": n_params, "global_batch_size": global_batch_size, "world_size": dp_size,
-               "sync_every": args.sync_every, "fusions": fusions,
-               "param_allreduce_calls": fusions * n_tensors, "param_allreduce_mib_per_rank": round(fusions * fusion_mib, 3),
-               "allreduce_mib_per_step_per_rank": round(fusions * fusion_mib / steps_run, 4),
-               "ddp_allreduce_mib_per_step_per_rank": round(fusion_mib, 4) if dp_size > 1 else 0.0,
-               "peak_memory_mb_max_rank": round(accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device)).max().item(), 1)}
-    metrics.write(summary)
-    accelerator.print(f"done: {summary}")
+    peak_mb = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))  # Accelerate: all-gather
+    n_tensors = len(list(model.parameters()))
+    log.summary(step, n_params=n_params, sync_every=args.sync_every, fusions=fusions,
+                param_allreduce_calls=fusions * n_tensors, param_allreduce_mib_per_rank=round(fusions * fusion_mib, 3),
+                allreduce_mib_per_step_per_rank=round(fusions * fusion_mib / steps_run, 4),
+                ddp_allreduce_mib_per_step_per_rank=round(fusion_mib, 4) if dp_size > 1 else 0.0,
+                peak_memory_mb_max_rank=round(peak_mb.max().item(), 1))
+    if args.save_rank_models and step == args.max_steps:
+        accelerator.print(f"each rank's model before the final fusion: {Path(args.output_dir) / 'rank_models'}/rank_<r> "
+                          "(fuse them with scripts/merge_checkpoints.py)")
     del model, optimizer, scheduler, train_loader, eval_loader, stream, local_sgd
     accelerator.free_memory()
     accelerator.wait_for_everyone()

@@ -14,6 +14,7 @@ interrupted save never destroys the previous one. All ranks must call save/load/
 they are collectives (pitfall 4); only file writes that need one writer are the main
 process's. Checkpoints and `model/` need a file system shared by all machines.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,12 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from .errors import UsageError
 from .model import GPT, GPTConfig
@@ -56,7 +62,10 @@ def resolve_checkpoint(arg: str | None, output_dir) -> Path | None:
     if arg == "latest":
         found = list_checkpoints(output_dir)
         if not found:
-            raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {_checkpoints_dir(output_dir)} (run without it, or with --checkpoint_every N)")
+            raise UsageError(
+                f"--resume_from_checkpoint latest: no checkpoint in {_checkpoints_dir(output_dir)}"
+                " (run without it, or with --checkpoint_every N)"
+            )
         return found[-1]
     path = Path(arg)
     if not path.is_dir():
@@ -74,19 +83,36 @@ def read_checkpoint_state(path: Path) -> dict:
             raise FileNotFoundError("scheduler.pt")
         state["step"], state["model_config"], state["global_batch_size"]  # noqa: B018 (must exist)
     except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
-        raise UsageError(f"--resume_from_checkpoint {path}: not a complete, readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: not a complete, readable checkpoint "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return state
 
 
 def check_compatible(state: dict, path: Path, model_config: GPTConfig, global_batch_size: int, world_size: int) -> None:
     saved = GPTConfig.from_dict(state["model_config"])
     if saved != model_config:
-        diff = ", ".join(f"{k} {getattr(saved, k)} vs {getattr(model_config, k)}" for k in saved.to_dict() if getattr(saved, k) != getattr(model_config, k))
-        raise UsageError(f"--resume_from_checkpoint {path}: saved by another model ({diff}, checkpoint vs this run): use the same --model_size and overrides")
+        diff = ", ".join(
+            f"{k} {getattr(saved, k)} vs {getattr(model_config, k)}"
+            for k in saved.to_dict()
+            if getattr(saved, k) != getattr(model_config, k)
+        )
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: saved by another model ({diff}, checkpoint vs this run)"
+            ": use the same --model_size and overrides"
+        )
     if state["global_batch_size"] != global_batch_size:
-        raise UsageError(f"--resume_from_checkpoint {path}: saved with global batch {state['global_batch_size']}, this run has {global_batch_size}: keep batch_size x processes x accumulation equal")
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: saved with global batch {state['global_batch_size']}"
+            f", this run has {global_batch_size}"
+            ": keep batch_size x processes x accumulation equal"
+        )
     if state.get("per_rank_state") and state["world_size"] != world_size:
-        raise UsageError(f"--resume_from_checkpoint {path}: every rank saved its own state ({state['world_size']} ranks); resume on {state['world_size']} processes, not {world_size}")
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: every rank saved its own state ({state['world_size']} ranks)"
+            f"; resume on {state['world_size']} processes, not {world_size}"
+        )
 
 
 def prepare_output_dir(output_dir, resuming: bool, overwrite: bool) -> None:
@@ -94,7 +120,11 @@ def prepare_output_dir(output_dir, resuming: bool, overwrite: bool) -> None:
     out = Path(output_dir)
     holds_run = (out / "metrics.jsonl").exists() or _checkpoints_dir(out).exists()
     if holds_run and not resuming and not overwrite:
-        raise UsageError(f"--output_dir {out} already holds a run: continue it with --resume_from_checkpoint latest, start over with --overwrite_output_dir, or choose another --output_dir")
+        raise UsageError(
+            f"--output_dir {out} already holds a run"
+            ": continue it with --resume_from_checkpoint latest"
+            ", start over with --overwrite_output_dir, or choose another --output_dir"
+        )
 
 
 def clear_output_dir(output_dir) -> None:
@@ -114,7 +144,9 @@ def check_resume_and_output(accelerator, args, model_config: GPTConfig, global_b
     Returns the checkpoint directory to resume from, or None."""
     resume_path = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
-        check_compatible(read_checkpoint_state(resume_path), resume_path, model_config, global_batch_size, accelerator.num_processes)
+        check_compatible(
+            read_checkpoint_state(resume_path), resume_path, model_config, global_batch_size, accelerator.num_processes
+        )
     prepare_output_dir(args.output_dir, resuming=resume_path is not None, overwrite=args.overwrite_output_dir)
     if args.overwrite_output_dir and not resume_path and accelerator.is_main_process:
         clear_output_dir(args.output_dir)
@@ -141,7 +173,16 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(accelerator, model, optimizer, scheduler, trainer_state: dict, output_dir, keep_last: int, per_rank_state: bool = False) -> Path:
+def save_checkpoint(
+    accelerator,
+    model,
+    optimizer,
+    scheduler,
+    trainer_state: dict,
+    output_dir,
+    keep_last: int,
+    per_rank_state: bool = False,
+) -> Path:
     """Collective: call on every rank. `per_rank_state`: every rank writes its whole model and
     optimizer state to state/rank_<r> (Local SGD, whose replicas differ between fusions)."""
     root = _checkpoints_dir(output_dir)
@@ -180,8 +221,17 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dic
     try:
         dcp.load(to_load, checkpoint_id=str(state_dir), no_dist=per_rank)  # errors are gathered: every rank raises
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise UsageError(f"--resume_from_checkpoint {path}: the model/optimizer state cannot be read ({type(e).__name__}); the checkpoint is damaged") from None
-    set_state_dict(model, _unwrap_optimizer(optimizer), model_state_dict=to_load["model"], optim_state_dict=to_load["optim"], options=OPTIONS)
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: the model/optimizer state cannot be read"
+            f" ({type(e).__name__}); the checkpoint is damaged"
+        ) from None
+    set_state_dict(
+        model,
+        _unwrap_optimizer(optimizer),
+        model_state_dict=to_load["model"],
+        optim_state_dict=to_load["optim"],
+        options=OPTIONS,
+    )
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     rng_file = path / "rng" / f"rank_{accelerator.process_index}.pt"
     if state.get("world_size") == accelerator.num_processes and rng_file.is_file():
@@ -215,7 +265,8 @@ def export_model(accelerator, model, model_config: GPTConfig, data_source: dict,
     if layout is None or layout.pp == 1:
         full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
-        stage_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # collective within the stage
+        # collective within the stage
+        stage_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         part = {k: v.cpu() for k, v in stage_sd.items()} if layout.writes_stage else {}
         parts = [None] * layout.world_size if accelerator.is_main_process else None
         torch.distributed.gather_object(part, parts, dst=0)
@@ -237,5 +288,8 @@ def load_exported(model_dir) -> tuple[GPT, dict]:
         model = GPT(config)
         model.load_state_dict(weights)
     except Exception as e:  # noqa: BLE001
-        raise UsageError(f"--model_dir {model_dir}: not a readable model directory ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise UsageError(
+            f"--model_dir {model_dir}: not a readable model directory "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return model, data_source

@@ -9,17 +9,24 @@ target), byte-level (vocab 256), so no tokenizer is downloaded:
 - `pystdlib`: real text, the Python standard library's sources on this machine, packed
   into blocks of `block_size`.
 - `--dataset_name` (hub, or a local folder laid out like one) and `--train_file` /
-  `--validation_file` (txt, json/jsonl, csv): packed like `pystdlib`.
+  `--validation_file` (txt, json/jsonl, csv): packed like `pystdlib`. A hub name is checked
+  against the hub first (a 3 s connection): with no network the run fails at once, naming the
+  fixes, instead of after datasets' ~25 s of retries.
 
 Built-ins are written once as jsonl under `data/cache/` and then read by the same
 `load_dataset` call as anyone's local files.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import random
+import socket
 import sysconfig
+import threading
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,17 +41,38 @@ BUILTIN_DATASETS = ("addition", "pystdlib")
 ADDITION_SIZES = {"train": 100_000, "validation": 1_000}
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 IN_MEMORY_MAX_TOKENS = 256 * 2**20  # per split: 1 GiB of int16 tensors (x2 columns) per process at most
+HUB_CHECK_TIMEOUT = 3.0  # seconds to open a connection to the hub before calling it unreachable
+# which data a model learned (saved as model/data.json), and the defaults of those flags that have one
+SOURCE_KEYS = (
+    "dataset",
+    "addition_digits",
+    "dataset_name",
+    "dataset_config",
+    "text_column",
+    "train_file",
+    "validation_file",
+)
+SOURCE_DEFAULTS = {"dataset": "addition", "addition_digits": 3, "text_column": "text"}
 
 
-def add_data_args(parser) -> None:
+def add_data_args(parser, defaults_from_model: bool = False) -> None:
+    """The data flags. With `defaults_from_model` (evaluate.py) the flags that say which data a
+    model learned have no default of their own: the caller fills them from model/data.json."""
+    default = dict.fromkeys(SOURCE_DEFAULTS) if defaults_from_model else SOURCE_DEFAULTS
+    model = " (default: the model's, from --model_dir's data.json)" if defaults_from_model else ""
+    trained_on = model and " (default: the data set the model was trained on, from --model_dir's data.json)"
     g = parser.add_argument_group("data")
-    g.add_argument("--dataset", default="addition", help=f"built-in data set: {' | '.join(BUILTIN_DATASETS)}")
-    g.add_argument("--addition_digits", type=int, default=3, help="digits per operand of the addition set")
-    g.add_argument("--dataset_name", help="a 🤗 hub data set (or a local folder laid out like one); replaces --dataset")
-    g.add_argument("--dataset_config", help="configuration name of --dataset_name")
-    g.add_argument("--text_column", default="text", help="column holding the text (hub and local files)")
-    g.add_argument("--train_file", help="local training file: .txt, .json/.jsonl or .csv; replaces --dataset")
-    g.add_argument("--validation_file", help="local validation file (None: the last 5%% of --train_file)")
+    builtin = " | ".join(BUILTIN_DATASETS)
+    g.add_argument("--dataset", default=default["dataset"], help=f"built-in data set: {builtin}{trained_on}")
+    digits = default["addition_digits"]
+    g.add_argument("--addition_digits", type=int, default=digits, help=f"digits per operand of the addition set{model}")
+    hub = "a 🤗 hub data set (or a local folder laid out like one); replaces --dataset"
+    g.add_argument("--dataset_name", help=hub + model)
+    g.add_argument("--dataset_config", help=f"configuration name of --dataset_name{model}")
+    column = "column holding the text (hub and local files)"
+    g.add_argument("--text_column", default=default["text_column"], help=column + model)
+    g.add_argument("--train_file", help=f"local training file: .txt, .json/.jsonl or .csv; replaces --dataset{model}")
+    g.add_argument("--validation_file", help=f"local validation file (None: the last 5%% of --train_file){model}")
     g.add_argument("--data_cache_dir", default=str(DEFAULT_CACHE_DIR), help="where built data and 🤗 caches go")
 
 
@@ -61,15 +89,26 @@ def check_data_args(args) -> None:
         if Path(path).suffix not in FILE_BUILDERS:
             raise UsageError(f"--{flag} {path}: unsupported type (use {', '.join(FILE_BUILDERS)})")
     if not (args.train_file or args.dataset_name) and args.dataset not in BUILTIN_DATASETS:
-        raise UsageError(f"--dataset {args.dataset!r} is not a built-in data set (choose {' or '.join(BUILTIN_DATASETS)}), or use --dataset_name / --train_file")
+        raise UsageError(
+            f"--dataset {args.dataset!r} is not a built-in data set (choose {' or '.join(BUILTIN_DATASETS)})"
+            ", or use --dataset_name / --train_file"
+        )
     if args.addition_digits < 1 or args.addition_digits > 9:
         raise UsageError(f"--addition_digits must be 1..9 (got {args.addition_digits})")
 
 
 def data_source(args) -> dict:
     """What the data is, as saved beside the model so that evaluate.py reads the same split."""
-    keys = ("dataset", "addition_digits", "dataset_name", "dataset_config", "text_column", "train_file", "validation_file")
-    return {k: getattr(args, k) for k in keys}
+    return {k: getattr(args, k) for k in SOURCE_KEYS}
+
+
+def data_name(args) -> str:
+    """The data set's name for people: addition, pystdlib, the hub name (and config), the train file's name."""
+    if args.dataset_name:
+        return f"{args.dataset_name} ({args.dataset_config})" if args.dataset_config else args.dataset_name
+    if args.train_file:
+        return Path(args.train_file).name
+    return args.dataset
 
 
 @dataclass
@@ -78,9 +117,11 @@ class Data:
     validation: object
     task: str  # "addition" (exact match) or "text" (perplexity)
     seq_len: int
+    name: str  # for people: addition, pystdlib, the hub name, the train file's name (data_name)
 
 
 # ---------------------------------------------------------------- built-in sets (offline)
+
 
 def _write_atomic(path: Path, lines) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -130,7 +171,54 @@ def build_pystdlib(cache_dir: Path, max_train_bytes: int = 8_000_000) -> dict:
     return files
 
 
+# ---------------------------------------------------------------- the hub
+
+
+def hub_unreachable(endpoint: str, timeout: float = HUB_CHECK_TIMEOUT) -> str | None:
+    """Why `endpoint` (the hub) cannot be reached, or None if a TCP connection to it opens within
+    `timeout` s, name lookup included (which a socket timeout does not bound: hence the thread).
+    Behind a proxy the answer is left to the HTTP client: None."""
+    url = urllib.parse.urlsplit(endpoint)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    if url.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(host):
+        return None
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(f"{type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else f"no connection within {timeout:g} s"
+
+
+def check_hub_reachable(args) -> None:
+    """A --dataset_name that is no local folder comes from the hub: when the hub cannot be reached,
+    fail at once naming the fixes (datasets would retry for ~25 s, then fail without a hint).
+    Skipped in offline mode (HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1), where datasets reads its cache."""
+    import datasets
+
+    name = args.dataset_name
+    looks_like_hub = name and not Path(name).exists() and not Path(name).is_absolute() and name.count("/") <= 1
+    if not looks_like_hub or datasets.config.HF_HUB_OFFLINE:
+        return
+    endpoint = datasets.config.HF_ENDPOINT
+    reason = hub_unreachable(endpoint)
+    if reason:
+        raise UsageError(
+            f"--dataset_name {name}: no such local folder, and the hub ({endpoint}) cannot be reached ({reason})"
+            ": with a cached copy run with HF_HUB_OFFLINE=1, or pass a local folder as --dataset_name"
+            ", or local files as --train_file / --validation_file"
+        )
+
+
 # ---------------------------------------------------------------- loading and tokenising
+
 
 def _load_raw(args, cache_dir: Path):
     import datasets
@@ -138,6 +226,7 @@ def _load_raw(args, cache_dir: Path):
     hf_cache = str(cache_dir / "hf")
     try:
         if args.dataset_name:
+            check_hub_reachable(args)
             raw = datasets.load_dataset(args.dataset_name, args.dataset_config, cache_dir=hf_cache)
         else:
             if args.train_file:
@@ -162,10 +251,16 @@ def _load_raw(args, cache_dir: Path):
         n = len(raw["train"])
         n_val = max(1, n // 20)
         if n < 2:
-            raise UsageError("the training data has fewer than 2 rows: cannot hold out a validation split; pass --validation_file")
-        raw = datasets.DatasetDict({"train": raw["train"].select(range(n - n_val)), "validation": raw["train"].select(range(n - n_val, n))})
+            raise UsageError(
+                "the training data has fewer than 2 rows: cannot hold out a validation split; pass --validation_file"
+            )
+        raw = datasets.DatasetDict(
+            {"train": raw["train"].select(range(n - n_val)), "validation": raw["train"].select(range(n - n_val, n))}
+        )
     if args.text_column not in raw["train"].column_names:
-        raise UsageError(f"--text_column {args.text_column!r} not found (columns: {', '.join(raw['train'].column_names)})")
+        raise UsageError(
+            f"--text_column {args.text_column!r} not found (columns: {', '.join(raw['train'].column_names)})"
+        )
     return raw
 
 
@@ -199,17 +294,31 @@ def load_data(args, accelerator, block_size: int) -> Data:
     is_addition = not (args.train_file or args.dataset_name) and args.dataset == "addition"
     row_len = 3 * args.addition_digits + 4  # "aaa+bbb=" + up to d+1 answer digits + "\n"
     if is_addition and block_size < row_len:
-        raise UsageError(f"--block_size {block_size} is shorter than one addition problem ({row_len} tokens): use --block_size >= {row_len}")
+        raise UsageError(
+            f"--block_size {block_size} is shorter than one addition problem ({row_len} tokens)"
+            f": use --block_size >= {row_len}"
+        )
     if is_addition:
         encode, kwargs, seq_len = _encode_addition, {"row_len": row_len}, row_len
     else:
-        encode, kwargs, seq_len = _encode_and_pack, {"text_column": args.text_column, "block_size": block_size}, block_size
+        encode, kwargs, seq_len = (
+            _encode_and_pack,
+            {"text_column": args.text_column, "block_size": block_size},
+            block_size,
+        )
     error = None
     with accelerator.local_main_process_first():
         try:
             raw = _load_raw(args, cache_dir)
             splits = {
-                name: split.map(encode, fn_kwargs=kwargs, batched=True, batch_size=2000, remove_columns=split.column_names, desc=f"tokenise {name}")
+                name: split.map(
+                    encode,
+                    fn_kwargs=kwargs,
+                    batched=True,
+                    batch_size=2000,
+                    remove_columns=split.column_names,
+                    desc=f"tokenise {name}",
+                )
                 for name, split in raw.items()
                 if name in ("train", "validation")
             }
@@ -220,11 +329,20 @@ def load_data(args, accelerator, block_size: int) -> Data:
     for name, split in splits.items():
         if len(split) == 0:
             n_bytes = sum(len(str(t).encode()) for t in raw[name][args.text_column])
-            raise UsageError(f"--block_size {block_size} is longer than the {name} split allows ({n_bytes} bytes give no full block): lower --block_size or add data")
+            raise UsageError(
+                f"--block_size {block_size} is longer than the {name} split allows ({n_bytes} bytes give no full block)"
+                ": lower --block_size or add data"
+            )
         split.set_format("torch", columns=["input_ids", "labels"])
         if len(split) * seq_len <= IN_MEMORY_MAX_TOKENS:
             splits[name] = TensorRows(split)
-    return Data(train=splits["train"], validation=splits["validation"], task="addition" if is_addition else "text", seq_len=seq_len)
+    return Data(
+        train=splits["train"],
+        validation=splits["validation"],
+        task="addition" if is_addition else "text",
+        seq_len=seq_len,
+        name=data_name(args),
+    )
 
 
 class TensorRows(Dataset):
@@ -245,6 +363,7 @@ class TensorRows(Dataset):
 
 
 # ---------------------------------------------------------------- data loaders
+
 
 class GlobalBatchSampler(Sampler):
     """The same shuffled order on every rank, fixed by (seed, epoch) alone, cut to whole
@@ -270,7 +389,10 @@ class GlobalBatchSampler(Sampler):
 
 def make_train_loader(train, batch_size: int, global_batch_size: int, seed: int) -> DataLoader:
     if len(train) < global_batch_size:
-        raise UsageError(f"the train split has {len(train)} samples, fewer than one global batch ({global_batch_size}): lower --batch_size or --gradient_accumulation_steps")
+        raise UsageError(
+            f"the train split has {len(train)} samples, fewer than one global batch ({global_batch_size})"
+            ": lower --batch_size or --gradient_accumulation_steps"
+        )
     sampler = GlobalBatchSampler(len(train), global_batch_size, seed)
     return DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True)
 

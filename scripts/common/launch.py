@@ -30,6 +30,8 @@ def run_main(main) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(2)
+    if world_size_from_env() == 1 and torch.distributed.is_initialized():  # the one-process group of a sharded script
+        torch.distributed.destroy_process_group()
     if world_size_from_env() > 1:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -49,7 +51,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-    """The core flags of the script contract (../shared/CONVENTIONS.md); scripts add their own."""
+    """The core flags every training script shares; scripts add their own."""
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--output_dir", default=None, help="everything the run writes goes here (None: runs/<strategy>)")
@@ -112,11 +114,13 @@ def check_core_args(args) -> None:
             raise UsageError(f"--{flag} must be at least 1 (got {value})")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1) (got {args.dropout})")
+    if args.output_dir and os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise UsageError(f"--output_dir {args.output_dir} is a file, not a folder: give a folder for the run's outputs")
     check_data_args(args)
 
 
 def check_launch() -> None:
-    """CONVENTIONS pitfall 1: `accelerate launch --cpu --num_processes 2`, or a MULTI_CPU config
+    """docs/troubleshooting.md, "Only one process started": `accelerate launch --cpu --num_processes 2`, or a MULTI_CPU config
     without an mpirun hostfile, starts ONE process. The launcher leaves a trace: it sets
     MASTER_ADDR (only done when asked for more than one process or machine) and
     ACCELERATE_USE_CPU (only its single-process launcher does), but no WORLD_SIZE."""
@@ -131,13 +135,13 @@ def check_launch() -> None:
 def launcher_sharding() -> str | None:
     """The sharded strategy an Accelerate config asked for (FSDP, DeepSpeed, Megatron-LM), if any.
     Read from the launcher's environment: on CPU Accelerate silently drops an FSDP config
-    (CONVENTIONS pitfall 3), so the Accelerator's state would not tell."""
+    (docs/troubleshooting.md, "Accelerate's FSDP config is ignored on CPU"), so the Accelerator's state would not tell."""
     return next((name for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM") if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"), None)
 
 
-def make_accelerator(args, **accelerator_kwargs):
+def make_accelerator(args, sharded: str | None = None, **accelerator_kwargs):
     """The Accelerator, with the CPU traps handled:
-    - pitfall 2: a torchrun-style launch (`--multi_gpu`, MULTI_GPU config) on a machine without
+    - "Several processes that each think they are alone" (docs/troubleshooting.md): a torchrun-style launch (`--multi_gpu`, MULTI_GPU config) on a machine without
       CUDA starts N processes that each think they are alone, unless told to use the CPU:
       we pass cpu=True whenever CUDA is missing, and they join one gloo process group;
     - the collective timeout: a dead peer fails the run after `--collective_timeout` s."""
@@ -157,5 +161,35 @@ def make_accelerator(args, **accelerator_kwargs):
         **accelerator_kwargs,
     )
     if accelerator.num_processes != expected:  # never N silent single-process runs
-        raise UsageError(f"the launcher started {expected} processes but they did not join one group (each sees {accelerator.num_processes}): launch with accelerate launch --config_file accelerate_configs/cpu_multi.yaml")
+        raise UsageError(f"the launcher started {expected} processes but they did not join one group (each sees "
+                         f"{accelerator.num_processes}): launch with accelerate launch --config_file accelerate_configs/cpu_multi.yaml")
+    if sharded:
+        check_sharded_launch(accelerator, sharded)
+        init_one_process_group(accelerator)
     return accelerator
+
+
+def check_sharded_launch(accelerator, name: str) -> None:
+    """A script that applies its strategy itself refuses a launch that also asks Accelerate for
+    one (it would shard twice on GPUs, and be silently dropped on CPU: docs/troubleshooting.md,
+    "Accelerate's FSDP config is ignored on CPU"), and fp16, whose loss scaler does not handle
+    sharded gradients."""
+    sharded = launcher_sharding()
+    if sharded:
+        raise UsageError(f"{name}.py applies its strategy itself with PyTorch's APIs, but the launch also asked Accelerate for "
+                         f"{sharded}: launch with a plain multi-process config, e.g. --config_file "
+                         "accelerate_configs/cpu_multi.yaml (or gpu_multi.yaml)")
+    if accelerator.mixed_precision == "fp16":
+        raise UsageError("--mixed_precision fp16 is not supported by the sharded strategies (its loss scaler does not handle "
+                         "sharded gradients): launch with --mixed_precision bf16 or no")
+
+
+def init_one_process_group(accelerator) -> None:
+    """A DeviceMesh needs a process group, but `python scripts/X.py` and a one-process launch
+    create none (Accelerate needs none for one process): make a one-process group, in memory
+    (docs/troubleshooting.md, "A sharded script run as one process")."""
+    if torch.distributed.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if accelerator.device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                         device_id=accelerator.device if accelerator.device.type == "cuda" else None)

@@ -17,6 +17,7 @@ sub-meshes and this rank's coordinates. No other code does rank arithmetic.
 The data-parallel ranks (dp = dp_replicate x dp_shard) each get their own slice of the global
 batch; the ranks of one TP group and of one pipeline see the same samples.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,12 +43,16 @@ class Layout:
     dp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
-    def from_degrees(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1) -> "Layout":
+    def from_degrees(
+        cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
+    ) -> "Layout":
         """Check the degrees against the world size (one may be -1: whatever is left)."""
         degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
         inferred = [d for d, v in degrees.items() if v == -1]
         if len(inferred) > 1:
-            raise UsageError(f"only one of {', '.join(FLAGS[d] for d in inferred)} may be -1 (inferred from the world size)")
+            raise UsageError(
+                f"only one of {', '.join(FLAGS[d] for d in inferred)} may be -1 (inferred from the world size)"
+            )
         for dim, value in degrees.items():
             if value == 0 or value < -1:
                 raise UsageError(f"{FLAGS[dim]} must be at least 1, or -1 to infer it (got {value})")
@@ -56,22 +61,41 @@ class Layout:
             known *= value if value != -1 else 1
         if inferred:
             if world_size % known:
-                raise UsageError(f"{' x '.join(f'{FLAGS[d]} {v}' for d, v in degrees.items() if v != -1)} = {known} does not divide the {world_size} processes: choose degrees whose product divides the world size")
+                raise UsageError(
+                    f"{' x '.join(f'{FLAGS[d]} {v}' for d, v in degrees.items() if v != -1)} = {known}"
+                    f" does not divide the {world_size} processes"
+                    ": choose degrees whose product divides the world size"
+                )
             degrees[inferred[0]] = world_size // known
         elif known != world_size:
-            raise UsageError(f"{' x '.join(f'{FLAGS[d]} {v}' for d, v in degrees.items())} = {known}, but {world_size} processes were started: the degrees' product must equal the world size")
+            raise UsageError(
+                f"{' x '.join(f'{FLAGS[d]} {v}' for d, v in degrees.items())} = {known}"
+                f", but {world_size} processes were started"
+                ": the degrees' product must equal the world size"
+            )
         return cls(**degrees, world_size=world_size)
 
     def check_model(self, cfg: GPTConfig, stages_per_rank: int = 1) -> None:
         """What each degree must divide: TP splits heads, the MLP width and the vocabulary; PP
         splits the layers."""
         if self.tp > 1:
-            for what, size, fix in (("--n_head", cfg.n_head, "heads"), ("the MLP width (4 x n_embd)", 4 * cfg.n_embd, "MLP columns"), ("the vocabulary", cfg.vocab_size, "vocabulary rows")):
+            for what, size, fix in (
+                ("--n_head", cfg.n_head, "heads"),
+                ("the MLP width (4 x n_embd)", 4 * cfg.n_embd, "MLP columns"),
+                ("the vocabulary", cfg.vocab_size, "vocabulary rows"),
+            ):
                 if size % self.tp:
-                    raise UsageError(f"--tp_size {self.tp} does not divide {what} ({size}): every TP rank needs the same number of {fix}; use a --tp_size that divides {size}")
+                    raise UsageError(
+                        f"--tp_size {self.tp} does not divide {what} ({size})"
+                        f": every TP rank needs the same number of {fix}; use a --tp_size that divides {size}"
+                    )
         n_stages = self.pp * stages_per_rank
         if n_stages > cfg.n_layer:
-            raise UsageError(f"--pp_size {self.pp} x --stages_per_rank {stages_per_rank} = {n_stages} stages, but the model has {cfg.n_layer} layers: every stage needs at least one layer (lower --pp_size or raise --n_layer)")
+            raise UsageError(
+                f"--pp_size {self.pp} x --stages_per_rank {stages_per_rank} = {n_stages} stages"
+                f", but the model has {cfg.n_layer} layers"
+                ": every stage needs at least one layer (lower --pp_size or raise --n_layer)"
+            )
 
     @property
     def dp(self) -> int:
@@ -134,8 +158,11 @@ class Layout:
     def table(self) -> str:
         """Which rank sits where: one line per rank (printed at start)."""
         coords = self.mesh.mesh.reshape(self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        lines = [f"  layout: pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} = {self.world_size} ranks",
-                 "    rank   pp  dp_replicate  dp_shard  tp"]
+        lines = [
+            f"  layout: pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
+            f"x tp {self.tp} = {self.world_size} ranks",
+            "    rank   pp  dp_replicate  dp_shard  tp",
+        ]
         for idx in torch.cartesian_prod(*(torch.arange(getattr(self, d)) for d in DIMS)).reshape(-1, 4).tolist():
             rank = int(coords[tuple(idx)])
             lines.append(f"    {rank:>4}  {idx[0]:>3}  {idx[1]:>12}  {idx[2]:>8}  {idx[3]:>2}")

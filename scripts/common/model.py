@@ -19,6 +19,7 @@ only its own parts: the embeddings, blocks, or norm and head it does not own are
 (set to None / deleted), and every remaining parameter keeps its full-model name
 (`blocks.3.mlp.up_proj.weight`), which is what lets checkpoints move between layouts.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,7 +80,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, heads, head_dim) -> (B, heads, T, head_dim); `-1` = however many heads this rank holds
-        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 

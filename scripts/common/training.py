@@ -1,11 +1,15 @@
 """Pieces of a training run that every strategy shares: model config from the flags, the
-optimizer, the LR schedule, and the endless stream of micro-batches with a resumable,
-layout-free data position."""
+optimizer, the LR schedule, gradient clipping over sharded gradients, and the endless stream of
+micro-batches with a resumable, layout-free data position."""
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
+import torch.distributed as dist
+from accelerate.data_loader import prepare_data_loader
+from torch.distributed.tensor import DTensor
 
 from .errors import UsageError
 from .model import GPTConfig
@@ -21,7 +25,7 @@ def model_config_from_args(args) -> GPTConfig:
 def make_optimizer(model, args) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not biases, norms), or plain SGD.
     Sharded models hold DTensor parameters, often beside plain ones (or DTensors on different
-    meshes): the fused multi-tensor (`foreach`) kernels refuse such a mix (pitfall 6), so they
+    meshes): the fused multi-tensor (`foreach`) kernels refuse such a mix (docs/troubleshooting.md, "Slow or failing optimizer with DTensor parameters"), so they
     then run per parameter."""
     from torch.distributed.tensor import DTensor
 
@@ -57,7 +61,7 @@ class TrainStream:
 
     The position is (epoch, samples of that epoch consumed by the whole run); on resume each rank
     skips its share with `accelerator.skip_first_batches`. The loader that returns starts at
-    epoch 0 (CONVENTIONS pitfall 11), so the epoch is set on it, and on the sampler, every pass.
+    epoch 0 (docs/troubleshooting.md, "Resume is not exact"), so the epoch is set on it, and on the sampler, every pass.
     """
 
     def __init__(self, accelerator, loader, sampler, global_batch_size: int, gradient_accumulation_steps: int,
@@ -108,3 +112,49 @@ class TrainStream:
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch}
+
+
+def shard_loader(loader, accelerator, layout):
+    """Accelerate's loader sharding, over the data-parallel ranks only: every rank of one TP
+    group or one pipeline gets the same micro-batches (prepare() would shard over all ranks)."""
+    return prepare_data_loader(loader, device=accelerator.device, num_processes=layout.dp, process_index=layout.dp_rank,
+                               put_on_device=True)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clip the global gradient norm when gradients are sharded (DTensor) and/or split over
+    pipeline stages; `max_norm` 0 or inf only measures. Returns the norm before clipping, the
+    same on every rank.
+
+    A DTensor gradient may come out of backward in another placement than its parameter (a
+    replicated LayerNorm weight under sequence parallel gets a Partial sum from each sequence
+    slice): it is first brought to the parameter's placement, which the optimizer needs anyway.
+    Then each rank sums the squares of its local pieces; pieces sharded over a mesh dimension
+    are summed over it, replicated ones counted once; then the pipeline stages are summed."""
+    max_norm = max_norm or float("inf")
+    parameters = [p for p in parameters if p.grad is not None]
+    for p in parameters:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    device = parameters[0].grad.device
+    buckets: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
+    for p in parameters:
+        if isinstance(p.grad, DTensor):  # Shard or _StridedShard (FSDP x TP) dimensions are summed over
+            sharded_dims = tuple(i for i, placement in enumerate(p.placements) if not placement.is_replicate())
+            buckets[(p.device_mesh, sharded_dims)] += p.grad.to_local().double().pow(2).sum()
+        else:
+            buckets[(None, ())] += p.grad.double().pow(2).sum()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (mesh, sharded_dims), squares in buckets.items():
+        for dim in sharded_dims:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        total += squares
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt().float()
+    if max_norm != float("inf"):
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in parameters:
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(scale.to(p.grad.dtype))
+    return norm
