@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Data-parallel training (DDP) with 🤗 Accelerate.
+r"""Data-parallel training (DDP) with 🤗 Accelerate.
 
 Every rank holds the whole model and trains on its own slice of each global batch; after
 backward the gradients are averaged over the ranks (all-reduce), so every rank takes the
@@ -17,6 +17,7 @@ Run it:
     python scripts/train_ddp.py                                                             # one process
 Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
 """
+
 import sys
 from pathlib import Path
 
@@ -34,61 +35,87 @@ from common.training import TrainStream, make_optimizer, make_scheduler, model_c
 
 
 def main():
-    # ------------------------------------------------------------------------ flags
+    # ---------------------------------------- flags
     args = build_parser(__doc__).parse_args()
     args.output_dir = args.output_dir or "runs/ddp"
     check_core_args(args)
     model_config = model_config_from_args(args)
     grad_accum = args.gradient_accumulation_steps
 
-    # ------------------------------------------------------------------------ Accelerator
+    # ---------------------------------------- Accelerator
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
     # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False): Accelerate's default
     # would step it once per process, and the LR would then depend on the number of processes.
     accelerator = make_accelerator(
         args,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False, adjust_scheduler=False),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=grad_accum, sync_with_dataloader=False, adjust_scheduler=False
+        ),
         step_scheduler_with_optimizer=False,
     )
     dp_size = accelerator.num_processes  # DDP: every process is a data-parallel replica
     global_batch_size = args.batch_size * dp_size * grad_accum
 
-    # ------------------------------------------------------------------------ data (checked before anything is written)
+    # ---------------------------------------- data (checked before anything is written)
     data = load_data(args, accelerator, model_config.block_size)
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     eval_loader = make_eval_loader(data.validation, args.eval_batch_size)
     resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
 
-    # ------------------------------------------------------------------------ model
+    # ---------------------------------------- model
     set_seed(args.seed)  # Accelerate: seeds python, numpy and torch; same value on every rank
     model = GPT(model_config)  # the same full model on every rank: the replicas start equal
     n_params = count_parameters(model)
 
-    # ------------------------------------------------------------------------ optimizer
+    # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
     train_sampler = train_loader.sampler
 
-    # ------------------------------------------------------------------------ DDP: the strategy
+    # ---------------------------------------- DDP: the strategy
     # Accelerate: wraps the model in DistributedDataParallel (gradient all-reduce in backward),
     # moves everything to the device, and shards each loader: rank r takes every dp_size-th micro-batch.
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
 
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress["epoch"], progress["samples_in_epoch"])
+    progress = (
+        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
+        if resume_path
+        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    )
+    stream = TrainStream(
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        grad_accum,
+        progress["epoch"],
+        progress["samples_in_epoch"],
+    )
 
-    # ------------------------------------------------------------------------ the training loop
-    step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_ddp", start_step=step, world_size=dp_size, global_batch_size=global_batch_size,
-                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
+    # ---------------------------------------- the training loop
+    step = progress["step"]
+    log = RunLog(
+        accelerator,
+        args,
+        "train_ddp",
+        start_step=step,
+        world_size=dp_size,
+        global_batch_size=global_batch_size,
+        tokens_per_step=global_batch_size * data.seq_len,
+        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
+    )
     allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
-    accelerator.print(  # Accelerate: prints on the main process only
-        f"train_ddp: {dp_size} process(es) on {accelerator.device} ({accelerator.distributed_type}), mixed precision {accelerator.mixed_precision}\n"
-        f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters, {model_config.n_layer} layers x {model_config.n_embd} wide\n"
-        f"  data {data.task}: {len(data.train)} train / {len(data.validation)} validation samples of {data.seq_len} tokens\n"
-        f"  global batch = {args.batch_size} per rank x {dp_size} ranks x {grad_accum} accumulation = {global_batch_size} samples\n"
-        f"  gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB = {allreduce_mib:.1f} MiB"
-        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
+    log.start(
+        model_config,
+        n_params,
+        data,
+        resume_path=resume_path,
+        strategy_lines=[
+            f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB "
+            f"= {allreduce_mib:.1f} MiB"
+        ],
     )
     model.train()
     while step < min(args.max_steps, args.stop_at_step or args.max_steps):
@@ -102,9 +129,13 @@ def main():
                 mb_loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
                 # DDP averages gradients over dp_size ranks and accelerator.backward divides by
                 # grad_accum: scale back so the gradient is that of (global loss sum / global targets).
-                accelerator.backward(mb_loss_sum * dp_size * grad_accum / global_targets)  # Accelerate: backward, DDP: all-reduce
+                accelerator.backward(
+                    mb_loss_sum * dp_size * grad_accum / global_targets
+                )  # Accelerate: backward, DDP: all-reduce
                 loss_sum += mb_loss_sum.detach()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm > 0 else None  # Accelerate: clip
+        grad_norm = (
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm > 0 else None
+        )  # Accelerate: clip
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -118,17 +149,34 @@ def main():
         if log.is_eval_step(step):
             log.eval(step, evaluate(accelerator, model, eval_loader, data.task))  # gather_for_metrics inside
         if log.is_checkpoint_step(step):
-            state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": dp_size,
-                     "seed": args.seed, "model_config": model_config.to_dict()}
-            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
+            state = {
+                "step": step,
+                **stream.position(),
+                "global_batch_size": global_batch_size,
+                "world_size": dp_size,
+                "seed": args.seed,
+                "model_config": model_config.to_dict(),
+            }
+            save_checkpoint(
+                accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last
+            )  # every rank
     stream.close()
 
-    # ------------------------------------------------------------------------ save
+    # ---------------------------------------- save
     if step == args.max_steps:
-        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # every rank; main writes
-    peak_mb = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))  # Accelerate: all-gather
-    log.summary(step, n_params=n_params, peak_memory_mb_max_rank=round(peak_mb.max().item(), 1),
-                peak_memory_mb_all_ranks=round(peak_mb.sum().item(), 1), gradient_allreduce_mib_per_step_per_rank=round(allreduce_mib, 3))
+        export_model(
+            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model"
+        )  # every rank; main writes
+    peak_mb = accelerator.gather(
+        torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device)
+    )  # Accelerate: all-gather
+    log.summary(
+        step,
+        n_params=n_params,
+        peak_memory_mb_max_rank=round(peak_mb.max().item(), 1),
+        peak_memory_mb_all_ranks=round(peak_mb.sum().item(), 1),
+        gradient_allreduce_mib_per_step_per_rank=round(allreduce_mib, 3),
+    )
     # Accelerate: closes trackers and destroys the process group. Free the DDP wrapper first, while
     # every peer is still there: its destructor tears down a gloo group that can wait on a peer.
     del model, optimizer, scheduler, train_loader, eval_loader, stream

@@ -14,7 +14,8 @@ one per rank. A block's full weights exist only while that block computes:
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_fsdp.py
-    accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 scripts/train_fsdp.py --model_size gpt2
+    accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 \\
+        scripts/train_fsdp.py --model_size gpt2
     ... scripts/train_fsdp.py --dp_replicate 2     # HSDP: shard inside groups, replicate across them
 Lines marked `# FSDP:` are the strategy; `# Accelerate:` the library's part. Accelerate's own
 FSDP plugin is not used (on CPU it is silently ignored): this file applies FSDP2 itself.
@@ -35,13 +36,27 @@ from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import (CollectiveCounter, RunLog, evaluate_sharded, first_step_line, sharded_start_lines, sharded_summary,
-                            training_state_bytes)
+from common.metrics import (
+    CollectiveCounter,
+    RunLog,
+    evaluate_sharded,
+    first_step_line,
+    sharded_start_lines,
+    sharded_summary,
+    training_state_bytes,
+)
 from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
-from common.training import TrainStream, clip_grad_norm_, make_optimizer, make_scheduler, model_config_from_args, shard_loader
+from common.training import (
+    TrainStream,
+    clip_grad_norm_,
+    make_optimizer,
+    make_scheduler,
+    model_config_from_args,
+    shard_loader,
+)
 
 
-# ============================================================================ FSDP: the strategy
+# ======================================== FSDP: the strategy
 def apply_activation_checkpointing(model: GPT) -> None:
     """Recompute each block's activations in backward instead of storing them. The composable
     `checkpoint` adds no wrapper module, so parameter names stay those of the full model."""
@@ -51,8 +66,14 @@ def apply_activation_checkpointing(model: GPT) -> None:
         checkpoint(block)
 
 
-def apply_fsdp(model: GPT, roots: list, mesh, mixed_precision: str = "no", reshard_after_forward: bool = True,
-               cpu_offload: bool = False) -> None:
+def apply_fsdp(
+    model: GPT,
+    roots: list,
+    mesh,
+    mixed_precision: str = "no",
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> None:
     """One FSDP unit per block, then each root (the whole model, or each pipeline stage) holding
     what is left: embeddings, final norm, head. A unit's parameters are all-gathered just before
     its forward and again before its backward, and its gradients reduce-scattered right after its
@@ -65,9 +86,12 @@ def apply_fsdp(model: GPT, roots: list, mesh, mixed_precision: str = "no", resha
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     # bf16 compute, fp32 gradient reduction and fp32 master weights (the launcher's --mixed_precision)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
-              "mp_policy": bf16 if mixed_precision == "bf16" else MixedPrecisionPolicy(),
-              "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": bf16 if mixed_precision == "bf16" else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
     for block in model.blocks.values():
         fully_shard(block, **kwargs)
     for root in roots:
@@ -90,71 +114,124 @@ def fsdp_forward_backward(accelerator, model, window: list, global_targets: torc
 
 
 def main():
-    # ------------------------------------------------------------------------ flags
+    # ---------------------------------------- flags
     parser = build_parser(__doc__)
     g = parser.add_argument_group("fully sharded data parallel")
-    g.add_argument("--dp_replicate", type=int, default=1,
-                   help="HSDP: replicate over this many groups, shard inside each (1: plain FSDP over all processes)")
-    g.add_argument("--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="free gathered weights after forward and gather again in backward (ZeRO-3); --no-reshard_after_forward "
-                   "keeps them until backward (ZeRO-2 like: more memory, one all-gather less)")
-    g.add_argument("--cpu_offload", action="store_true", help="keep shards, gradients and optimizer state in CPU memory (GPU runs)")
-    g.add_argument("--activation_checkpointing", action="store_true",
-                   help="recompute each block's activations in backward instead of storing them")
+    g.add_argument(
+        "--dp_replicate",
+        type=int,
+        default=1,
+        help="HSDP: replicate over this many groups, shard inside each (1: plain FSDP over all processes)",
+    )
+    g.add_argument(
+        "--reshard_after_forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="free gathered weights after forward and gather again in backward (ZeRO-3); --no-reshard_after_forward "
+        "keeps them until backward (ZeRO-2 like: more memory, one all-gather less)",
+    )
+    g.add_argument(
+        "--cpu_offload", action="store_true", help="keep shards, gradients and optimizer state in CPU memory (GPU runs)"
+    )
+    g.add_argument(
+        "--activation_checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward instead of storing them",
+    )
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/fsdp"
     check_core_args(args)
     model_config = model_config_from_args(args)
 
-    # ------------------------------------------------------------------------ Accelerator and layout
+    # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
     # the scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded="train_fsdp", step_scheduler_with_optimizer=False)
-    layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1)  # FSDP: all ranks
+    layout = Layout.from_degrees(
+        accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1
+    )  # FSDP: all ranks
     global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
     if args.cpu_offload and accelerator.device.type == "cpu":
-        raise UsageError("--cpu_offload moves shards, gradients and optimizer state from the accelerator to CPU memory, but this "
-                         "run is already on the CPU: drop --cpu_offload (or run on GPUs)")
+        raise UsageError(
+            "--cpu_offload moves shards, gradients and optimizer state from the accelerator to CPU memory, but this "
+            "run is already on the CPU: drop --cpu_offload (or run on GPUs)"
+        )
 
-    # ------------------------------------------------------------------------ data (checked before anything is written)
+    # ---------------------------------------- data (checked before anything is written)
     data = load_data(args, accelerator, model_config.block_size)
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
     layout.build_mesh(accelerator.device.type)
 
-    # ------------------------------------------------------------------------ model
+    # ---------------------------------------- model
     set_seed(args.seed)  # Accelerate: the same full model on every rank, then sharded: init independent of the layout
     model = GPT(model_config).to(accelerator.device)
     n_params = count_parameters(model)
 
-    # ------------------------------------------------------------------------ FSDP: the strategy
+    # ---------------------------------------- FSDP: the strategy
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)  # FSDP: less activation memory, one more forward per block
-    apply_fsdp(model, [model], layout.fsdp_mesh, accelerator.mixed_precision,  # FSDP: shard every block, then the root
-               reshard_after_forward=args.reshard_after_forward, cpu_offload=args.cpu_offload)
+    apply_fsdp(
+        model,
+        [model],
+        layout.fsdp_mesh,
+        accelerator.mixed_precision,  # FSDP: shard every block, then the root
+        reshard_after_forward=args.reshard_after_forward,
+        cpu_offload=args.cpu_offload,
+    )
 
-    # ------------------------------------------------------------------------ optimizer (after sharding: it sees the shards)
+    # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model: FSDP owns it)
+    optimizer, scheduler = accelerator.prepare(
+        optimizer, scheduler
+    )  # Accelerate: wrappers (not the model: FSDP owns it)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)  # Accelerate: rank r takes every dp-th micro-batch
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, args.gradient_accumulation_steps,
-                         progress["epoch"], progress["samples_in_epoch"], dp_group=layout.group("dp"))
+    progress = (
+        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
+        if resume_path
+        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    )
+    stream = TrainStream(
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        args.gradient_accumulation_steps,
+        progress["epoch"],
+        progress["samples_in_epoch"],
+        dp_group=layout.group("dp"),
+    )
 
-    # ------------------------------------------------------------------------ the training loop
+    # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_fsdp", start_step=step, world_size=layout.world_size, global_batch_size=global_batch_size,
-                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
-    kind = f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards" if layout.dp_replicate > 1 else f"FSDP over {layout.dp_shard} ranks"
-    accelerator.print(
-        f"train_fsdp: {layout.world_size} process(es) on {accelerator.device}, mixed precision {accelerator.mixed_precision}\n{layout.table()}\n"
-        f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters; data {data.task}: {len(data.train)} train samples of {data.seq_len} tokens\n"
-        f"  global batch = {args.batch_size} per rank x {layout.dp} dp ranks x {args.gradient_accumulation_steps} accumulation = {global_batch_size}\n"
-        f"  {kind}; reshard after forward {'on (ZeRO-3)' if args.reshard_after_forward else 'off (ZeRO-2 like)'}\n"
-        + sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
+    log = RunLog(
+        accelerator,
+        args,
+        "train_fsdp",
+        start_step=step,
+        world_size=layout.world_size,
+        global_batch_size=global_batch_size,
+        tokens_per_step=global_batch_size * data.seq_len,
+        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
+    )
+    kind = (
+        f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards"
+        if layout.dp_replicate > 1
+        else f"FSDP over {layout.dp_shard} ranks"
+    )
+    reshard = "on (ZeRO-3)" if args.reshard_after_forward else "off (ZeRO-2 like)"
+    log.start(
+        model_config,
+        n_params,
+        data,
+        resume_path=resume_path,
+        layout=layout,
+        strategy_lines=[
+            f"{kind}; reshard after forward {reshard}",
+            sharded_start_lines(model, layout, n_params, args.optimizer, accelerator),
+        ],
     )
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
@@ -162,7 +239,9 @@ def main():
         log.step_start()
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
-            loss_sum = fsdp_forward_backward(accelerator, model, window, global_targets, layout.dp)  # FSDP: gather, compute, reduce-scatter
+            loss_sum = fsdp_forward_backward(
+                accelerator, model, window, global_targets, layout.dp
+            )  # FSDP: gather, compute, reduce-scatter
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's norm
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # FSDP: each rank updates its own shard
@@ -176,20 +255,35 @@ def main():
 
         if log.is_log_step(step):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            log.train(step, loss, lr, grad_norm if args.max_grad_norm else None, layout=layout.describe(), epoch=stream.epoch)
+            log.train(
+                step, loss, lr, grad_norm if args.max_grad_norm else None, layout=layout.describe(), epoch=stream.epoch
+            )
         if log.is_eval_step(step):
             model.eval()
-            log.eval(step, evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task))
+            log.eval(
+                step, evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
+            )
             model.train()
         if log.is_checkpoint_step(step):
-            state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": layout.world_size,
-                     "layout": layout.describe(), "seed": args.seed, "model_config": model_config.to_dict()}
-            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
+            state = {
+                "step": step,
+                **stream.position(),
+                "global_batch_size": global_batch_size,
+                "world_size": layout.world_size,
+                "layout": layout.describe(),
+                "seed": args.seed,
+                "model_config": model_config.to_dict(),
+            }
+            save_checkpoint(
+                accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last
+            )  # every rank
     stream.close()
 
-    # ------------------------------------------------------------------------ save
+    # ---------------------------------------- save
     if step == args.max_steps:
-        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # every rank: gathers
+        export_model(
+            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model"
+        )  # every rank: gathers
     log.summary(step, **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group

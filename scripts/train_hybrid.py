@@ -20,7 +20,8 @@ Choosing a layout: TP inside a node (it talks every layer), PP across nodes (it 
 activations, once per stage boundary), FSDP/DP over the rest.
 
 Run it:
-    accelerate launch --config_file accelerate_configs/cpu_multi.yaml --num_processes 4 scripts/train_hybrid.py --dp_shard 2 --tp_size 2
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml --num_processes 4 \\
+        scripts/train_hybrid.py --dp_shard 2 --tp_size 2
     accelerate launch ... --num_processes 8 scripts/train_hybrid.py --n_layer 4 --pp_size 2 --dp_shard 2 --tp_size 2
 Strategies are applied in a fixed order (split into stages, then TP, then activation
 checkpointing, then FSDP), by the functions imported from train_pp.py, train_tp.py and
@@ -35,22 +36,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 from accelerate.utils import set_seed
-from train_fsdp import apply_activation_checkpointing, apply_fsdp
-from train_pp import PipelineStep, add_pipeline_args, check_pipeline_args, check_pipeline_flags, split_pipeline
-from train_tp import apply_tensor_parallel, check_tp_flags, tp_forward_backward
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import (CollectiveCounter, RunLog, evaluate_sharded, first_step_line, sharded_start_lines, sharded_summary,
-                            training_state_bytes)
+from common.metrics import (
+    CollectiveCounter,
+    RunLog,
+    evaluate_sharded,
+    first_step_line,
+    sharded_start_lines,
+    sharded_summary,
+    training_state_bytes,
+)
 from common.model import GPT, count_parameters, flops_per_token
-from common.training import TrainStream, clip_grad_norm_, make_optimizer, make_scheduler, model_config_from_args, shard_loader
+from common.training import (
+    TrainStream,
+    clip_grad_norm_,
+    make_optimizer,
+    make_scheduler,
+    model_config_from_args,
+    shard_loader,
+)
+from train_fsdp import apply_activation_checkpointing, apply_fsdp
+from train_pp import PipelineStep, add_pipeline_args, check_pipeline_args, check_pipeline_flags, split_pipeline
+from train_tp import apply_tensor_parallel, check_tp_flags, tp_forward_backward
 
 
 def main():
-    # ------------------------------------------------------------------------ flags
+    # ---------------------------------------- flags
     parser = build_parser(__doc__)
     g = parser.add_argument_group("layout (the product must equal the number of processes; one may be -1: inferred)")
     g.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
@@ -60,7 +75,9 @@ def main():
     g = parser.add_argument_group("tensor parallel and memory")
     g.add_argument("--sequence_parallel", action="store_true", help="TP: shard norms/dropout along the sequence")
     g.add_argument("--loss_parallel", action="store_true", help="TP: cross-entropy on vocabulary-sharded logits")
-    g.add_argument("--activation_checkpointing", action="store_true", help="recompute each block's activations in backward")
+    g.add_argument(
+        "--activation_checkpointing", action="store_true", help="recompute each block's activations in backward"
+    )
     add_pipeline_args(parser)
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/hybrid"
@@ -68,31 +85,36 @@ def main():
     check_pipeline_args(args)
     model_config = model_config_from_args(args)
 
-    # ------------------------------------------------------------------------ Accelerator and layout
+    # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
     # the scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded="train_hybrid", step_scheduler_with_optimizer=False)
     # one object holds the degrees, checked once: product = world size, TP divides heads, PP <= layers
-    layout = Layout.from_degrees(accelerator.num_processes, pp=args.pp_size, dp_replicate=args.dp_replicate,
-                                 dp_shard=args.dp_shard, tp=args.tp_size)
+    layout = Layout.from_degrees(
+        accelerator.num_processes,
+        pp=args.pp_size,
+        dp_replicate=args.dp_replicate,
+        dp_shard=args.dp_shard,
+        tp=args.tp_size,
+    )
     layout.check_model(model_config, args.stages_per_rank)
     if layout.pp > 1:
         check_pipeline_flags(layout, model_config.n_layer, args)
     global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
 
-    # ------------------------------------------------------------------------ data (checked before anything is written)
+    # ---------------------------------------- data (checked before anything is written)
     data = load_data(args, accelerator, model_config.block_size)
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     check_tp_flags(layout, data.seq_len, data.task, args.sequence_parallel, args.loss_parallel)
     resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
     layout.build_mesh(accelerator.device.type)
 
-    # ------------------------------------------------------------------------ model
+    # ---------------------------------------- model
     set_seed(args.seed)  # Accelerate: the same full model on every rank before any cut: init independent of the layout
     model = GPT(model_config).to(accelerator.device)
     n_params = count_parameters(model)
 
-    # ------------------------------------------------------------------------ the strategies, in torchtitan's order
+    # ---------------------------------------- the strategies, in torchtitan's order
     stages = split_pipeline(model, layout, args.stages_per_rank, args.split_points) if layout.pp > 1 else None  # 1. PP
     if layout.tp > 1:
         apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)  # 2. TP
@@ -104,34 +126,70 @@ def main():
         pipeline = PipelineStep(accelerator, layout, stages, args.schedule, args.n_microbatches, args.loss_parallel)
         forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
     else:
+
         def forward_backward(window, global_targets):
             return tp_forward_backward(accelerator, model, window, global_targets, layout.dp, args.loss_parallel)
+
         predict, eval_batch_size = model, args.eval_batch_size
 
-    # ------------------------------------------------------------------------ optimizer (after every cut: it sees the shards)
+    # ---------------------------------------- optimizer (after every cut: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model: the strategies own it)
+    optimizer, scheduler = accelerator.prepare(
+        optimizer, scheduler
+    )  # Accelerate: wrappers (not the model: the strategies own it)
     train_sampler = train_loader.sampler
-    train_loader = shard_loader(train_loader, accelerator, layout)  # Accelerate: sharded over the data-parallel ranks only
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, args.gradient_accumulation_steps,
-                         progress["epoch"], progress["samples_in_epoch"], dp_group=layout.group("dp"))
+    train_loader = shard_loader(
+        train_loader, accelerator, layout
+    )  # Accelerate: sharded over the data-parallel ranks only
+    progress = (
+        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
+        if resume_path
+        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    )
+    stream = TrainStream(
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        args.gradient_accumulation_steps,
+        progress["epoch"],
+        progress["samples_in_epoch"],
+        dp_group=layout.group("dp"),
+    )
 
-    # ------------------------------------------------------------------------ the training loop
+    # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_hybrid", start_step=step, world_size=layout.world_size, global_batch_size=global_batch_size,
-                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
-    order = [name for name, on in (("pipeline split", layout.pp > 1), ("tensor parallel", layout.tp > 1),
-                                   ("activation checkpointing", args.activation_checkpointing),
-                                   ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp > 1)) if on]
-    accelerator.print(
-        f"train_hybrid: {layout.world_size} process(es) on {accelerator.device}, mixed precision {accelerator.mixed_precision}\n{layout.table()}\n"
-        f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters; data {data.task}: {len(data.train)} train samples of {data.seq_len} tokens\n"
-        f"  global batch = {args.batch_size} per dp rank x {layout.dp} dp ranks x {args.gradient_accumulation_steps} accumulation = {global_batch_size}\n"
-        f"  order: {' -> '.join(order) or 'none (one process)'}\n"
-        + sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
+    log = RunLog(
+        accelerator,
+        args,
+        "train_hybrid",
+        start_step=step,
+        world_size=layout.world_size,
+        global_batch_size=global_batch_size,
+        tokens_per_step=global_batch_size * data.seq_len,
+        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
+    )
+    order = [
+        name
+        for name, on in (
+            ("pipeline split", layout.pp > 1),
+            ("tensor parallel", layout.tp > 1),
+            ("activation checkpointing", args.activation_checkpointing),
+            ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp > 1),
+        )
+        if on
+    ]
+    log.start(
+        model_config,
+        n_params,
+        data,
+        resume_path=resume_path,
+        layout=layout,
+        strategy_lines=[
+            f"order: {' -> '.join(order) or 'none (one process)'}",
+            sharded_start_lines(model, layout, n_params, args.optimizer, accelerator),
+        ],
     )
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
@@ -140,7 +198,9 @@ def main():
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
             loss_sum = forward_backward(window, global_targets)
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))  # sharded, summed over the stages
+        grad_norm = clip_grad_norm_(
+            model.parameters(), args.max_grad_norm, layout.group("pp")
+        )  # sharded, summed over the stages
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -153,23 +213,46 @@ def main():
 
         if log.is_log_step(step):
             # one rank per data-parallel replica (last stage, TP rank 0) counts its loss sum
-            loss = accelerator.reduce(loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum")  # Accelerate: all-reduce
-            log.train(step, (loss / global_targets).item(), lr, grad_norm if args.max_grad_norm else None, layout=layout.describe(), epoch=stream.epoch)
+            loss = accelerator.reduce(
+                loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum"
+            )  # Accelerate: all-reduce
+            log.train(
+                step,
+                (loss / global_targets).item(),
+                lr,
+                grad_norm if args.max_grad_norm else None,
+                layout=layout.describe(),
+                epoch=stream.epoch,
+            )
         if log.is_eval_step(step):
             model.eval()
             log.eval(step, evaluate_sharded(accelerator, predict, data.validation, eval_batch_size, layout, data.task))
             model.train()
         if log.is_checkpoint_step(step):
-            state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": layout.world_size,
-                     "layout": layout.describe(), "seed": args.seed, "model_config": model_config.to_dict()}
-            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
+            state = {
+                "step": step,
+                **stream.position(),
+                "global_batch_size": global_batch_size,
+                "world_size": layout.world_size,
+                "layout": layout.describe(),
+                "seed": args.seed,
+                "model_config": model_config.to_dict(),
+            }
+            save_checkpoint(
+                accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last
+            )  # every rank
     stream.close()
 
-    # ------------------------------------------------------------------------ save
+    # ---------------------------------------- save
     if step == args.max_steps:  # every rank: gathers shards; one rank per stage sends its layers
-        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout=layout)
-    log.summary(step, **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm),
-                **(pipeline.summary(args) if layout.pp > 1 else {}))
+        export_model(
+            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout=layout
+        )
+    log.summary(
+        step,
+        **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm),
+        **(pipeline.summary(args) if layout.pp > 1 else {}),
+    )
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

@@ -22,10 +22,13 @@ be DDP whenever samples have different numbers of targets (docs/troubleshooting.
 with K = 1 differs from DDP").
 
 Run it:
-    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_localsgd.py --sync_every 8 --save_rank_models
-    python scripts/merge_checkpoints.py runs/localsgd/rank_models/rank_0 runs/localsgd/rank_models/rank_1 --out runs/fused/model
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_localsgd.py \\
+        --sync_every 8 --save_rank_models
+    python scripts/merge_checkpoints.py runs/localsgd/rank_models/rank_0 runs/localsgd/rank_models/rank_1 \\
+        --out runs/fused/model
 Lines marked `# Accelerate:` are the library's part; `# Local SGD:` marks what differs from train_ddp.py.
 """
+
 import sys
 from pathlib import Path
 
@@ -51,73 +54,110 @@ def parameter_fingerprint(model) -> torch.Tensor:
 
 
 def main():
-    # ------------------------------------------------------------------------ flags
+    # ---------------------------------------- flags
     parser = build_parser(__doc__)
     g = parser.add_argument_group("Local SGD")
-    g.add_argument("--sync_every", type=int, default=8, help="average the parameters every K optimizer steps (and at the end)")
-    g.add_argument("--save_rank_models", action="store_true",
-                   help="every rank also saves its own model right before the final fusion, to OUTPUT_DIR/rank_models/rank_<r> "
-                   "(for merge_checkpoints.py)")
+    g.add_argument(
+        "--sync_every", type=int, default=8, help="average the parameters every K optimizer steps (and at the end)"
+    )
+    g.add_argument(
+        "--save_rank_models",
+        action="store_true",
+        help="every rank also saves its own model right before the final fusion, to OUTPUT_DIR/rank_models/rank_<r> "
+        "(for merge_checkpoints.py)",
+    )
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/localsgd"
     check_core_args(args)
     if args.sync_every < 1:
-        raise UsageError(f"--sync_every must be at least 1 (got {args.sync_every}): the number of local steps between two fusions")
+        raise UsageError(
+            f"--sync_every must be at least 1 (got {args.sync_every}): the number of local steps between two fusions"
+        )
     model_config = model_config_from_args(args)
     grad_accum = args.gradient_accumulation_steps
 
-    # ------------------------------------------------------------------------ Accelerator
+    # ---------------------------------------- Accelerator
     # Local SGD averages whole replicas: a sharded strategy has none. On CPU Accelerate would silently
     # drop an FSDP config, so the launcher's flags are checked, not only the result.
     sharded = launcher_sharding()
     if sharded:
-        raise UsageError(f"Local SGD averages whole replicas and cannot run under {sharded} (a sharded strategy): launch without "
-                         "an FSDP/DeepSpeed config, e.g. --config_file accelerate_configs/cpu_multi.yaml")
+        raise UsageError(
+            f"Local SGD averages whole replicas and cannot run under {sharded} (a sharded strategy): launch without "
+            "an FSDP/DeepSpeed config, e.g. --config_file accelerate_configs/cpu_multi.yaml"
+        )
     accelerator = make_accelerator(args, step_scheduler_with_optimizer=False)  # Accelerate: process group, device
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-        raise UsageError(f"Local SGD averages whole replicas: it cannot run under {accelerator.distributed_type}; launch without "
-                         "an FSDP/DeepSpeed config")
+        raise UsageError(
+            f"Local SGD averages whole replicas: it cannot run under {accelerator.distributed_type}; launch without "
+            "an FSDP/DeepSpeed config"
+        )
     dp_size = accelerator.num_processes
     global_batch_size = args.batch_size * dp_size * grad_accum
 
-    # ------------------------------------------------------------------------ data (checked before anything is written)
+    # ---------------------------------------- data (checked before anything is written)
     data = load_data(args, accelerator, model_config.block_size)
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     eval_loader = make_eval_loader(data.validation, args.eval_batch_size)
     resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
 
-    # ------------------------------------------------------------------------ model
+    # ---------------------------------------- model
     set_seed(args.seed)  # Accelerate: same seed on every rank, so the replicas start equal
     model = GPT(model_config)
     n_params = count_parameters(model)
 
-    # ------------------------------------------------------------------------ optimizer
+    # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
     train_sampler = train_loader.sampler
     # Accelerate: DDP wrapper (kept in no_sync by LocalSGD below), devices, loader sharding
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress["epoch"], progress["samples_in_epoch"])
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
+    progress = (
+        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
+        if resume_path
+        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    )
+    stream = TrainStream(
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        grad_accum,
+        progress["epoch"],
+        progress["samples_in_epoch"],
+    )
 
-    # ------------------------------------------------------------------------ the training loop
+    # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_localsgd", start_step=step, world_size=dp_size, global_batch_size=global_batch_size,
-                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
+    log = RunLog(
+        accelerator,
+        args,
+        "train_localsgd",
+        start_step=step,
+        world_size=dp_size,
+        global_batch_size=global_batch_size,
+        tokens_per_step=global_batch_size * data.seq_len,
+        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
+    )
     fusion_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 parameters, once per fusion
-    accelerator.print(
-        f"train_localsgd: {dp_size} process(es) on {accelerator.device} ({accelerator.distributed_type}), fusing every {args.sync_every} steps\n"
-        f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters; data {data.task}: {len(data.train)} train samples\n"
-        f"  global batch = {args.batch_size} per rank x {dp_size} ranks x {grad_accum} accumulation = {global_batch_size} samples\n"
-        f"  communication: {fusion_mib:.1f} MiB per fusion and rank = {fusion_mib / args.sync_every:.2f} MiB per step "
-        f"(DDP: {fusion_mib:.1f} MiB per step)"
-        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
+    log.start(
+        model_config,
+        n_params,
+        data,
+        resume_path=resume_path,
+        strategy_lines=[
+            f"Local SGD: fusing every {args.sync_every} steps; {fusion_mib:.1f} MiB per fusion and rank = "
+            f"{fusion_mib / args.sync_every:.2f} MiB per step (DDP: {fusion_mib:.1f} MiB per step)"
+        ],
     )
     fusions = 0
     model.train()
     # Local SGD: LocalSGD keeps DDP in no_sync() for the whole block (no gradient all-reduce),
     # averages the parameters in local_sgd.step() every K steps, and once more on leaving the block.
-    with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=args.sync_every, enabled=dp_size > 1) as local_sgd:
+    with LocalSGD(
+        accelerator=accelerator, model=model, local_sgd_steps=args.sync_every, enabled=dp_size > 1
+    ) as local_sgd:
         local_sgd.num_steps = step  # Local SGD: a resumed run fuses at the same steps as an uninterrupted one
         while step < min(args.max_steps, args.stop_at_step or args.max_steps):
             log.step_start()
@@ -128,7 +168,9 @@ def main():
                 # Local SGD: gradients stay local; times dp_size because the fusion averages the replicas
                 accelerator.backward(mb_loss_sum * dp_size / global_targets)
                 loss_sum += mb_loss_sum.detach()
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm > 0 else None
+            grad_norm = (
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm > 0 else None
+            )
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -141,17 +183,41 @@ def main():
 
             if log.is_log_step(step):
                 loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-                fingerprints = accelerator.gather(parameter_fingerprint(model).reshape(1))  # how far apart the replicas are
-                log.train(step, loss, lr, grad_norm, fused=fused, param_spread=(fingerprints.max() - fingerprints.min()).item(),
-                          epoch=stream.epoch)
+                fingerprints = accelerator.gather(
+                    parameter_fingerprint(model).reshape(1)
+                )  # how far apart the replicas are
+                log.train(
+                    step,
+                    loss,
+                    lr,
+                    grad_norm,
+                    fused=fused,
+                    param_spread=(fingerprints.max() - fingerprints.min()).item(),
+                    epoch=stream.epoch,
+                )
             if args.eval_every and step % args.eval_every == 0 and step < args.max_steps:
                 # between fusions each rank scores its shard with its own replica: a mix of the replicas
                 log.eval(step, evaluate(accelerator, model, eval_loader, data.task))
             if log.is_checkpoint_step(step):
-                state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": dp_size,
-                         "seed": args.seed, "model_config": model_config.to_dict()}
+                state = {
+                    "step": step,
+                    **stream.position(),
+                    "global_batch_size": global_batch_size,
+                    "world_size": dp_size,
+                    "seed": args.seed,
+                    "model_config": model_config.to_dict(),
+                }
                 # Local SGD: the replicas (and their optimizer states) differ: every rank saves its own
-                save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last, per_rank_state=True)
+                save_checkpoint(
+                    accelerator,
+                    model,
+                    optimizer,
+                    scheduler,
+                    state,
+                    args.output_dir,
+                    args.keep_last,
+                    per_rank_state=True,
+                )
         stream.close()
         if args.save_rank_models and step == args.max_steps:  # every rank writes its own, before the final fusion
             local_state = {k.removeprefix("module."): v.detach().cpu() for k, v in model.state_dict().items()}
@@ -160,23 +226,39 @@ def main():
         accelerator.wait_for_everyone()
     fusions += dp_size > 1 and step % args.sync_every != 0  # leaving the block fused once more
 
-    # ------------------------------------------------------------------------ save
+    # ---------------------------------------- save
     if step == args.max_steps:
         final_spread = accelerator.gather(parameter_fingerprint(model).reshape(1))
-        log.eval(step, evaluate(accelerator, model, eval_loader, data.task), fused_model=True,  # the fused model
-                 param_spread=(final_spread.max() - final_spread.min()).item())
-        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # the fused model
+        log.eval(
+            step,
+            evaluate(accelerator, model, eval_loader, data.task),
+            fused_model=True,  # the fused model
+            param_spread=(final_spread.max() - final_spread.min()).item(),
+        )
+        export_model(
+            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model"
+        )  # the fused model
     steps_run = max(1, step - start_step)
-    peak_mb = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))  # Accelerate: all-gather
+    peak_mb = accelerator.gather(
+        torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device)
+    )  # Accelerate: all-gather
     n_tensors = len(list(model.parameters()))
-    log.summary(step, n_params=n_params, sync_every=args.sync_every, fusions=fusions,
-                param_allreduce_calls=fusions * n_tensors, param_allreduce_mib_per_rank=round(fusions * fusion_mib, 3),
-                allreduce_mib_per_step_per_rank=round(fusions * fusion_mib / steps_run, 4),
-                ddp_allreduce_mib_per_step_per_rank=round(fusion_mib, 4) if dp_size > 1 else 0.0,
-                peak_memory_mb_max_rank=round(peak_mb.max().item(), 1))
+    log.summary(
+        step,
+        n_params=n_params,
+        sync_every=args.sync_every,
+        fusions=fusions,
+        param_allreduce_calls=fusions * n_tensors,
+        param_allreduce_mib_per_rank=round(fusions * fusion_mib, 3),
+        allreduce_mib_per_step_per_rank=round(fusions * fusion_mib / steps_run, 4),
+        ddp_allreduce_mib_per_step_per_rank=round(fusion_mib, 4) if dp_size > 1 else 0.0,
+        peak_memory_mb_max_rank=round(peak_mb.max().item(), 1),
+    )
     if args.save_rank_models and step == args.max_steps:
-        accelerator.print(f"each rank's model before the final fusion: {Path(args.output_dir) / 'rank_models'}/rank_<r> "
-                          "(fuse them with scripts/merge_checkpoints.py)")
+        accelerator.print(
+            f"each rank's model before the final fusion: {Path(args.output_dir) / 'rank_models'}/rank_<r> "
+            "(fuse them with scripts/merge_checkpoints.py)"
+        )
     del model, optimizer, scheduler, train_loader, eval_loader, stream, local_sgd
     accelerator.free_memory()
     accelerator.wait_for_everyone()

@@ -22,8 +22,10 @@ through the pipe; the schedule decides the order:
     zero bubble: backward split into input-gradient and weight-gradient parts; the weight parts fill the bubble.
 
 Run it:
-    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_pp.py --pp_size 2 --schedule 1f1b
-    accelerate launch ... --num_processes 4 scripts/train_pp.py --n_layer 8 --schedule interleaved_1f1b --n_microbatches 8
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_pp.py \\
+        --pp_size 2 --schedule 1f1b
+    accelerate launch ... --num_processes 4 scripts/train_pp.py \\
+        --n_layer 8 --schedule interleaved_1f1b --n_microbatches 8
 --batch_size is the per-replica batch the schedule splits into --n_microbatches (use it instead
 of gradient accumulation); evaluation runs through the pipeline with the same batch shape.
 With --pp_size smaller than the number of processes, the remaining factor trains data parallel
@@ -43,23 +45,37 @@ from accelerate.utils import set_seed
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from train_fsdp import apply_fsdp
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import (CollectiveCounter, RunLog, evaluate_sharded, first_step_line, sharded_start_lines, sharded_summary,
-                            training_state_bytes)
+from common.metrics import (
+    CollectiveCounter,
+    RunLog,
+    evaluate_sharded,
+    first_step_line,
+    sharded_start_lines,
+    sharded_summary,
+    training_state_bytes,
+)
 from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
-from common.training import TrainStream, clip_grad_norm_, make_optimizer, make_scheduler, model_config_from_args, shard_loader
+from common.training import (
+    TrainStream,
+    clip_grad_norm_,
+    make_optimizer,
+    make_scheduler,
+    model_config_from_args,
+    shard_loader,
+)
+from train_fsdp import apply_fsdp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several stages per rank
 
 
-# ============================================================================ PP: the strategy
+# ======================================== PP: the strategy
 def stage_layers(n_layer: int, n_stages: int, split_points: list[int] | None = None) -> list[range]:
     """Layers of each stage: balanced by count (earlier stages take the remainder), or cut
     before each layer in `split_points`."""
@@ -87,7 +103,9 @@ class PipelineChunk(nn.Module):
 
     def __init__(self, model: GPT, layers: range, is_first: bool, is_last: bool):
         super().__init__()
-        self.tok_emb, self.pos_emb, self.drop = (model.tok_emb, model.pos_emb, model.drop) if is_first else (None, None, None)
+        self.tok_emb, self.pos_emb, self.drop = (
+            (model.tok_emb, model.pos_emb, model.drop) if is_first else (None, None, None)
+        )
         self.blocks = nn.ModuleList(model.blocks[str(i)] for i in layers)
         self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if is_last else (None, None)
 
@@ -101,7 +119,9 @@ class PipelineChunk(nn.Module):
         return x
 
 
-def split_pipeline(model: GPT, layout: Layout, stages_per_rank: int = 1, split_points: list[int] | None = None) -> list[PipelineChunk]:
+def split_pipeline(
+    model: GPT, layout: Layout, stages_per_rank: int = 1, split_points: list[int] | None = None
+) -> list[PipelineChunk]:
     """Cut the model into pp x stages_per_rank stages; this rank keeps only its stages' layers
     (the others are deleted, so their memory is freed) and gets one view per stage."""
     n_stages = layout.pp * stages_per_rank
@@ -174,12 +194,18 @@ def build_schedule(chunks: list[PipelineChunk], layout: Layout, schedule: str, n
     "Pipeline loss scaled by the number of micro-batches")."""
     mine = stages_of_rank(layout.pp_rank, layout.pp, len(chunks))
     n_stages = layout.pp * len(chunks)
-    stages = [TimedStage(chunk, stage_index=s, num_stages=n_stages, device=device, group=layout.group("pp"))
-              for chunk, s in zip(chunks, mine, strict=True)]
+    stages = [
+        TimedStage(chunk, stage_index=s, num_stages=n_stages, device=device, group=layout.group("pp"))
+        for chunk, s in zip(chunks, mine, strict=True)
+    ]
     for stage in stages:
         stage.reset_counters()
     if schedule in MULTI_STAGE_SCHEDULES:
-        cls = schedules.ScheduleInterleaved1F1B if schedule == "interleaved_1f1b" else schedules.ScheduleInterleavedZeroBubble
+        cls = (
+            schedules.ScheduleInterleaved1F1B
+            if schedule == "interleaved_1f1b"
+            else schedules.ScheduleInterleavedZeroBubble
+        )
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False), stages
     cls = schedules.ScheduleGPipe if schedule == "gpipe" else schedules.Schedule1F1B
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False), stages
@@ -197,9 +223,13 @@ class PipelineStep:
     already divided by the global target count; the other stages return zero, and the logged
     loss is summed from the last stage's ranks."""
 
-    def __init__(self, accelerator, layout: Layout, chunks, schedule: str, n_microbatches: int, use_loss_parallel: bool = False):
+    def __init__(
+        self, accelerator, layout: Layout, chunks, schedule: str, n_microbatches: int, use_loss_parallel: bool = False
+    ):
         self.accelerator, self.layout, self.use_loss_parallel = accelerator, layout, use_loss_parallel
-        self.schedule, self.stages = build_schedule(chunks, layout, schedule, n_microbatches, self.loss_fn, accelerator.device)
+        self.schedule, self.stages = build_schedule(
+            chunks, layout, schedule, n_microbatches, self.loss_fn, accelerator.device
+        )
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
         self.scale = 1.0
@@ -239,7 +269,9 @@ class PipelineStep:
         """Forward only, through the pipeline: the last stage gets the logits of the whole batch.
         (The schedule also evaluates its loss function there; the inputs stand in for the labels.)"""
         with self._context():
-            logits = self.schedule.eval(*((input_ids,) if self.has_first else ()), target=input_ids if self.has_last else None)
+            logits = self.schedule.eval(
+                *((input_ids,) if self.has_first else ()), target=input_ids if self.has_last else None
+            )
         return logits if self.has_last else None
 
     def summary(self, args) -> dict:
@@ -247,25 +279,41 @@ class PipelineStep:
         beside the theory. Collective (a gather)."""
         busy = self.busy_s / self.step_s if self.step_s else -1.0
         act = max((stage.activation_bytes or 0) for stage in self.stages)
-        row = torch.tensor([self.layout.pp_rank, busy, self.max_in_flight, act, act * self.max_in_flight],
-                           dtype=torch.float64, device=self.accelerator.device)
+        row = torch.tensor(
+            [self.layout.pp_rank, busy, self.max_in_flight, act, act * self.max_in_flight],
+            dtype=torch.float64,
+            device=self.accelerator.device,
+        )
         rows = self.accelerator.gather(row[None]).cpu()  # Accelerate: all-gather
         per_stage = {int(r[0]): r for r in rows}  # one rank of each pipeline position (its replicas agree up to timing)
         ranks = sorted(per_stage)
-        return {"pipeline_schedule": args.schedule, "n_microbatches": args.n_microbatches, "stages_per_rank": args.stages_per_rank,
-                "bubble_theory": round(bubble_theory(self.layout.pp, args.n_microbatches, args.stages_per_rank), 4),
-                "bubble_measured_per_rank": [None if per_stage[r][1] < 0 else round(1 - float(per_stage[r][1]), 4) for r in ranks],
-                "max_microbatches_in_flight_per_rank": [int(per_stage[r][2]) for r in ranks],
-                "activation_mib_per_microbatch_per_rank": [round(float(per_stage[r][3]) / 2**20, 4) for r in ranks],
-                "peak_activation_mib_per_rank": [round(float(per_stage[r][4]) / 2**20, 4) for r in ranks]}
+        return {
+            "pipeline_schedule": args.schedule,
+            "n_microbatches": args.n_microbatches,
+            "stages_per_rank": args.stages_per_rank,
+            "bubble_theory": round(bubble_theory(self.layout.pp, args.n_microbatches, args.stages_per_rank), 4),
+            "bubble_measured_per_rank": [
+                None if per_stage[r][1] < 0 else round(1 - float(per_stage[r][1]), 4) for r in ranks
+            ],
+            "max_microbatches_in_flight_per_rank": [int(per_stage[r][2]) for r in ranks],
+            "activation_mib_per_microbatch_per_rank": [round(float(per_stage[r][3]) / 2**20, 4) for r in ranks],
+            "peak_activation_mib_per_rank": [round(float(per_stage[r][4]) / 2**20, 4) for r in ranks],
+        }
 
 
 def add_pipeline_args(parser):
     g = parser.add_argument_group("pipeline parallel")
     g.add_argument("--schedule", default="1f1b", help=f"pipeline schedule: {' | '.join(SCHEDULES)}")
     g.add_argument("--n_microbatches", type=int, default=4, help="micro-batches each --batch_size is split into")
-    g.add_argument("--stages_per_rank", type=int, help="stages each rank holds (default: 2 for interleaved_1f1b and zero_bubble, else 1)")
-    g.add_argument("--split_points", help="comma-separated layer indices where a new stage begins, e.g. 1,3 (default: balance layers by count)")
+    g.add_argument(
+        "--stages_per_rank",
+        type=int,
+        help="stages each rank holds (default: 2 for interleaved_1f1b and zero_bubble, else 1)",
+    )
+    g.add_argument(
+        "--split_points",
+        help="comma-separated layer indices where a new stage begins, e.g. 1,3 (default: balance layers by count)",
+    )
     return g
 
 
@@ -279,15 +327,19 @@ def check_pipeline_args(args) -> None:
     if args.stages_per_rank < 1:
         raise UsageError(f"--stages_per_rank must be at least 1 (got {args.stages_per_rank})")
     if args.stages_per_rank > 1 and args.schedule not in MULTI_STAGE_SCHEDULES:
-        raise UsageError(f"--stages_per_rank {args.stages_per_rank}: --schedule {args.schedule} runs one stage per rank; "
-                         "use interleaved_1f1b or zero_bubble, or drop --stages_per_rank")
+        raise UsageError(
+            f"--stages_per_rank {args.stages_per_rank}: --schedule {args.schedule} runs one stage per rank; "
+            "use interleaved_1f1b or zero_bubble, or drop --stages_per_rank"
+        )
     if args.n_microbatches < 1:
         raise UsageError(f"--n_microbatches must be at least 1 (got {args.n_microbatches})")
     if args.split_points:
         try:
             args.split_points = [int(x) for x in str(args.split_points).split(",")]
         except ValueError:
-            raise UsageError(f"--split_points {args.split_points!r}: give comma-separated layer indices, e.g. 1,3") from None
+            raise UsageError(
+                f"--split_points {args.split_points!r}: give comma-separated layer indices, e.g. 1,3"
+            ) from None
     else:
         args.split_points = None
 
@@ -296,26 +348,36 @@ def check_pipeline_flags(layout: Layout, n_layer: int, args) -> None:
     """Checks that need the layout and the model."""
     n_stages = layout.pp * args.stages_per_rank
     if args.batch_size % args.n_microbatches:
-        raise UsageError(f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches} equal "
-                         "micro-batches: use a batch size divisible by it")
+        raise UsageError(
+            f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches} equal "
+            "micro-batches: use a batch size divisible by it"
+        )
     if args.gradient_accumulation_steps != 1:
-        raise UsageError("--gradient_accumulation_steps: the pipeline already accumulates over its micro-batches; raise "
-                         "--batch_size and --n_microbatches instead (and keep accumulation 1)")
+        raise UsageError(
+            "--gradient_accumulation_steps: the pipeline already accumulates over its micro-batches; raise "
+            "--batch_size and --n_microbatches instead (and keep accumulation 1)"
+        )
     if args.split_points is not None:
         points = args.split_points
         if len(points) != n_stages - 1 or points != sorted(set(points)) or points[0] <= 0 or points[-1] >= n_layer:
-            raise UsageError(f"--split_points {','.join(map(str, points))}: {n_stages} stages need {n_stages - 1} increasing "
-                             f"layer indices between 1 and {n_layer - 1}")
+            raise UsageError(
+                f"--split_points {','.join(map(str, points))}: {n_stages} stages need {n_stages - 1} increasing "
+                f"layer indices between 1 and {n_layer - 1}"
+            )
     if layout.pp > 1 and args.schedule != "gpipe" and args.n_microbatches < layout.pp:
-        raise UsageError(f"--n_microbatches {args.n_microbatches} is fewer than the {layout.pp} pipeline ranks: --schedule "
-                         f"{args.schedule} needs at least one micro-batch per rank in flight (raise --n_microbatches, or use gpipe)")
+        raise UsageError(
+            f"--n_microbatches {args.n_microbatches} is fewer than the {layout.pp} pipeline ranks: --schedule "
+            f"{args.schedule} needs at least one micro-batch per rank in flight (raise --n_microbatches, or use gpipe)"
+        )
     if args.schedule in MULTI_STAGE_SCHEDULES and args.n_microbatches % layout.pp:
-        raise UsageError(f"--n_microbatches {args.n_microbatches}: --schedule {args.schedule} needs a multiple of the "
-                         f"{layout.pp} pipeline ranks")
+        raise UsageError(
+            f"--n_microbatches {args.n_microbatches}: --schedule {args.schedule} needs a multiple of the "
+            f"{layout.pp} pipeline ranks"
+        )
 
 
 def main():
-    # ------------------------------------------------------------------------ flags
+    # ---------------------------------------- flags
     parser = build_parser(__doc__)
     g = add_pipeline_args(parser)
     g.add_argument("--pp_size", type=int, default=-1, help="pipeline stages (ranks per pipeline; -1: all processes)")
@@ -325,57 +387,94 @@ def main():
     check_pipeline_args(args)
     model_config = model_config_from_args(args)
 
-    # ------------------------------------------------------------------------ Accelerator and layout
+    # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
     # the scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded="train_pp", step_scheduler_with_optimizer=False)
-    layout = Layout.from_degrees(accelerator.num_processes, pp=args.pp_size, dp_shard=1 if args.pp_size == -1 else -1)  # PP x the rest
+    layout = Layout.from_degrees(
+        accelerator.num_processes, pp=args.pp_size, dp_shard=1 if args.pp_size == -1 else -1
+    )  # PP x the rest
     layout.check_model(model_config, args.stages_per_rank)  # at least one layer per stage
     check_pipeline_flags(layout, model_config.n_layer, args)
     global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
 
-    # ------------------------------------------------------------------------ data (checked before anything is written)
+    # ---------------------------------------- data (checked before anything is written)
     data = load_data(args, accelerator, model_config.block_size)
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
     layout.build_mesh(accelerator.device.type)
 
-    # ------------------------------------------------------------------------ model
-    set_seed(args.seed)  # Accelerate: the same full model on every rank before it is cut: init independent of the layout
+    # ---------------------------------------- model
+    set_seed(
+        args.seed
+    )  # Accelerate: the same full model on every rank before it is cut: init independent of the layout
     model = GPT(model_config).to(accelerator.device)
     n_params = count_parameters(model)
 
-    # ------------------------------------------------------------------------ PP: the strategy
-    stages = split_pipeline(model, layout, args.stages_per_rank, args.split_points)  # PP: keep this rank's layers, one view per stage
+    # ---------------------------------------- PP: the strategy
+    stages = split_pipeline(
+        model, layout, args.stages_per_rank, args.split_points
+    )  # PP: keep this rank's layers, one view per stage
     if layout.dp > 1:  # processes beyond one pipeline: data parallel over the pipelines (FSDP per stage)
         apply_fsdp(model, stages, layout.fsdp_mesh, accelerator.mixed_precision)
-    pipeline = PipelineStep(accelerator, layout, stages, args.schedule, args.n_microbatches)  # PP: PipelineStage + schedule
+    pipeline = PipelineStep(
+        accelerator, layout, stages, args.schedule, args.n_microbatches
+    )  # PP: PipelineStage + schedule
 
-    # ------------------------------------------------------------------------ optimizer (after the split: this rank's layers)
+    # ---------------------------------------- optimizer (after the split: this rank's layers)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model: the pipeline owns it)
+    optimizer, scheduler = accelerator.prepare(
+        optimizer, scheduler
+    )  # Accelerate: wrappers (not the model: the pipeline owns it)
     train_sampler = train_loader.sampler
-    train_loader = shard_loader(train_loader, accelerator, layout)  # Accelerate: every stage of a pipeline gets the same batch
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, args.gradient_accumulation_steps,
-                         progress["epoch"], progress["samples_in_epoch"], dp_group=layout.group("dp"))
+    train_loader = shard_loader(
+        train_loader, accelerator, layout
+    )  # Accelerate: every stage of a pipeline gets the same batch
+    progress = (
+        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
+        if resume_path
+        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    )
+    stream = TrainStream(
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        args.gradient_accumulation_steps,
+        progress["epoch"],
+        progress["samples_in_epoch"],
+        dp_group=layout.group("dp"),
+    )
 
-    # ------------------------------------------------------------------------ the training loop
+    # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_pp", start_step=step, world_size=layout.world_size, global_batch_size=global_batch_size,
-                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
+    log = RunLog(
+        accelerator,
+        args,
+        "train_pp",
+        start_step=step,
+        world_size=layout.world_size,
+        global_batch_size=global_batch_size,
+        tokens_per_step=global_batch_size * data.seq_len,
+        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
+    )
     n_stages = layout.pp * args.stages_per_rank
     layers = stage_layers(model_config.n_layer, n_stages, args.split_points)
-    accelerator.print(
-        f"train_pp: {layout.world_size} process(es) on {accelerator.device}, mixed precision {accelerator.mixed_precision}\n{layout.table()}\n"
-        f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters; data {data.task}: {len(data.train)} train samples of {data.seq_len} tokens\n"
-        f"  global batch = {args.batch_size} per dp rank x {layout.dp} dp ranks x {args.gradient_accumulation_steps} accumulation = {global_batch_size}\n"
-        f"  pipeline: {n_stages} stages ({', '.join(f'{s}: layers {r.start}-{r.stop - 1}' for s, r in enumerate(layers))}), "
-        f"schedule {args.schedule}, {args.n_microbatches} micro-batches of {args.batch_size // args.n_microbatches}\n"
-        f"  bubble in theory: (p-1)/(v*m+p-1) = {bubble_theory(layout.pp, args.n_microbatches, args.stages_per_rank):.3f}; measured in the summary\n"
-        + sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
+    bubble = bubble_theory(layout.pp, args.n_microbatches, args.stages_per_rank)
+    stage_list = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(layers))
+    log.start(
+        model_config,
+        n_params,
+        data,
+        resume_path=resume_path,
+        layout=layout,
+        strategy_lines=[
+            f"pipeline: {n_stages} stages ({stage_list}), schedule {args.schedule}, "
+            f"{args.n_microbatches} micro-batches of {args.batch_size // args.n_microbatches}",
+            f"bubble in theory: (p-1)/(v*m+p-1) = {bubble:.3f}; measured in the summary",
+            sharded_start_lines(model, layout, n_params, args.optimizer, accelerator),
+        ],
     )
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
@@ -383,8 +482,12 @@ def main():
         log.step_start()
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
-            loss_sum = pipeline(window, global_targets)  # PP: every micro-batch through every stage, forward and backward
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))  # summed over the stages
+            loss_sum = pipeline(
+                window, global_targets
+            )  # PP: every micro-batch through every stage, forward and backward
+        grad_norm = clip_grad_norm_(
+            model.parameters(), args.max_grad_norm, layout.group("pp")
+        )  # summed over the stages
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # PP: each rank updates its own layers
         scheduler.step()
@@ -397,22 +500,49 @@ def main():
 
         if log.is_log_step(step):
             # the last stage holds the loss: one of its ranks per data-parallel replica counts it
-            loss = accelerator.reduce(loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum")  # Accelerate: all-reduce
-            log.train(step, (loss / global_targets).item(), lr, grad_norm if args.max_grad_norm else None, layout=layout.describe(), epoch=stream.epoch)
+            loss = accelerator.reduce(
+                loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum"
+            )  # Accelerate: all-reduce
+            log.train(
+                step,
+                (loss / global_targets).item(),
+                lr,
+                grad_norm if args.max_grad_norm else None,
+                layout=layout.describe(),
+                epoch=stream.epoch,
+            )
         if log.is_eval_step(step):
             model.eval()  # through the pipeline, with the training batch's shape
-            log.eval(step, evaluate_sharded(accelerator, pipeline.predict, data.validation, args.batch_size, layout, data.task))
+            log.eval(
+                step,
+                evaluate_sharded(accelerator, pipeline.predict, data.validation, args.batch_size, layout, data.task),
+            )
             model.train()
         if log.is_checkpoint_step(step):
-            state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": layout.world_size,
-                     "layout": layout.describe(), "seed": args.seed, "model_config": model_config.to_dict()}
-            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
+            state = {
+                "step": step,
+                **stream.position(),
+                "global_batch_size": global_batch_size,
+                "world_size": layout.world_size,
+                "layout": layout.describe(),
+                "seed": args.seed,
+                "model_config": model_config.to_dict(),
+            }
+            save_checkpoint(
+                accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last
+            )  # every rank
     stream.close()
 
-    # ------------------------------------------------------------------------ save
+    # ---------------------------------------- save
     if step == args.max_steps:  # every rank: one rank per stage sends its layers to the main process
-        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout=layout)
-    log.summary(step, **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm), **pipeline.summary(args))
+        export_model(
+            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout=layout
+        )
+    log.summary(
+        step,
+        **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm),
+        **pipeline.summary(args),
+    )
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

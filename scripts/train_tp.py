@@ -22,7 +22,8 @@ heads, MLP columns), row-parallel ones their inputs, so each pair needs one all-
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_tp.py --tp_size 2
-    accelerate launch --config_file accelerate_configs/gpu_multi.yaml scripts/train_tp.py --tp_size 8 --sequence_parallel --loss_parallel
+    accelerate launch --config_file accelerate_configs/gpu_multi.yaml scripts/train_tp.py \\
+        --tp_size 8 --sequence_parallel --loss_parallel
 With --tp_size smaller than the number of processes, the remaining factor trains data parallel
 (FSDP, with `apply_fsdp` from train_fsdp.py), as in train_hybrid.py.
 Lines marked `# TP:` are the strategy; `# Accelerate:` the library's part.
@@ -47,20 +48,34 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from train_fsdp import apply_fsdp
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import (CollectiveCounter, RunLog, evaluate_sharded, first_step_line, sharded_start_lines, sharded_summary,
-                            training_state_bytes)
+from common.metrics import (
+    CollectiveCounter,
+    RunLog,
+    evaluate_sharded,
+    first_step_line,
+    sharded_start_lines,
+    sharded_summary,
+    training_state_bytes,
+)
 from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
-from common.training import TrainStream, clip_grad_norm_, make_optimizer, make_scheduler, model_config_from_args, shard_loader
+from common.training import (
+    TrainStream,
+    clip_grad_norm_,
+    make_optimizer,
+    make_scheduler,
+    model_config_from_args,
+    shard_loader,
+)
+from train_fsdp import apply_fsdp
 
 
-# ============================================================================ TP: the strategy
+# ======================================== TP: the strategy
 def tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel: bool) -> dict:
     """Megatron's split, as a parallelize_module plan (only for the parts this rank holds).
 
@@ -78,26 +93,31 @@ def tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel: boo
             plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
     for name in model.blocks:
         b = f"blocks.{name}"
-        plan.update({
-            f"{b}.attn.q_proj": ColwiseParallel(),
-            f"{b}.attn.k_proj": ColwiseParallel(),
-            f"{b}.attn.v_proj": ColwiseParallel(),
-            f"{b}.attn.o_proj": RowwiseParallel(output_layouts=between_blocks),
-            f"{b}.mlp.up_proj": ColwiseParallel(),
-            f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=between_blocks),
-            # attention and MLP take their input as one replicated DTensor (all-gathered from the sequence
-            # slices under SP): q, k and v share it, so backward reduces its gradient once, not 3 times
-            f"{b}.attn": PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),)),
-            f"{b}.mlp": PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),)),
-        })
+        plan.update(
+            {
+                f"{b}.attn.q_proj": ColwiseParallel(),
+                f"{b}.attn.k_proj": ColwiseParallel(),
+                f"{b}.attn.v_proj": ColwiseParallel(),
+                f"{b}.attn.o_proj": RowwiseParallel(output_layouts=between_blocks),
+                f"{b}.mlp.up_proj": ColwiseParallel(),
+                f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=between_blocks),
+                # attention and MLP take their input as one replicated DTensor (all-gathered from the sequence
+                # slices under SP): q, k and v share it, so backward reduces its gradient once, not 3 times
+                f"{b}.attn": PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),)),
+                f"{b}.mlp": PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),)),
+            }
+        )
         if sequence_parallel:
             plan.update({f"{b}.ln_1": SequenceParallel(), f"{b}.ln_2": SequenceParallel()})
     if model.lm_head is not None:
         if sequence_parallel:
             plan["ln_f"] = SequenceParallel()
         # loss parallel: keep the logits sharded over the vocabulary; the loss is computed on the shards
-        plan["lm_head"] = ColwiseParallel(input_layouts=between_blocks, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                          use_local_output=not loss_parallel)
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=between_blocks,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     return plan
 
 
@@ -106,8 +126,9 @@ def apply_tensor_parallel(model: GPT, tp_mesh, sequence_parallel: bool = False, 
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel, loss_parallel))
 
 
-def tp_forward_backward(accelerator, model, window: list, global_targets: torch.Tensor, dp_size: int,
-                        use_loss_parallel: bool) -> torch.Tensor:
+def tp_forward_backward(
+    accelerator, model, window: list, global_targets: torch.Tensor, dp_size: int, use_loss_parallel: bool
+) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches (the whole TP group runs the same ones);
     returns their loss sum. Normalised by the global batch's target count, times dp because the
     data-parallel part (FSDP) averages gradients over the dp ranks."""
@@ -115,7 +136,10 @@ def tp_forward_backward(accelerator, model, window: list, global_targets: torch.
     for i, mb in enumerate(window):
         if isinstance(model, FSDPModule):  # data parallel beside TP: one reduce-scatter, after the last micro-batch
             model.set_requires_gradient_sync(i == len(window) - 1)
-        with accelerator.autocast(), (loss_parallel() if use_loss_parallel else nullcontext()):  # TP: loss on vocab shards
+        with (
+            accelerator.autocast(),
+            loss_parallel() if use_loss_parallel else nullcontext(),
+        ):  # TP: loss on vocab shards
             loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
             accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach().full_tensor() if isinstance(loss_sum, DTensor) else loss_sum.detach()
@@ -128,78 +152,124 @@ def check_tp_flags(layout: Layout, seq_len: int, task: str, sequence_parallel: b
     a divisible sequence length")."""
     if layout.tp == 1 and (sequence_parallel or loss_parallel):
         flag = "sequence_parallel" if sequence_parallel else "loss_parallel"
-        raise UsageError(f"--{flag} shards over the TP group, but --tp_size is 1: use --tp_size 2 or more, or drop --{flag}")
+        raise UsageError(
+            f"--{flag} shards over the TP group, but --tp_size is 1: use --tp_size 2 or more, or drop --{flag}"
+        )
     if sequence_parallel and seq_len % layout.tp:
-        hint = ("choose --addition_digits d with 3d+4 divisible by it (d = 4 gives 16 tokens)" if task == "addition"
-                else "use a --block_size divisible by it")
-        raise UsageError(f"--sequence_parallel splits the {seq_len}-token sequence over --tp_size {layout.tp} ranks, "
-                         f"which does not divide it: {hint}")
+        hint = (
+            "choose --addition_digits d with 3d+4 divisible by it (d = 4 gives 16 tokens)"
+            if task == "addition"
+            else "use a --block_size divisible by it"
+        )
+        raise UsageError(
+            f"--sequence_parallel splits the {seq_len}-token sequence over --tp_size {layout.tp} ranks, "
+            f"which does not divide it: {hint}"
+        )
 
 
 def main():
-    # ------------------------------------------------------------------------ flags
+    # ---------------------------------------- flags
     parser = build_parser(__doc__)
     g = parser.add_argument_group("tensor parallel")
     g.add_argument("--tp_size", type=int, default=-1, help="ranks per TP group (-1: all processes, pure TP)")
-    g.add_argument("--sequence_parallel", action="store_true",
-                   help="shard LayerNorm/dropout activations along the sequence (all-gather + reduce-scatter instead of all-reduce)")
-    g.add_argument("--loss_parallel", action="store_true", help="compute the cross-entropy on vocabulary-sharded logits, never gathering them")
+    g.add_argument(
+        "--sequence_parallel",
+        action="store_true",
+        help="shard LayerNorm/dropout activations along the sequence "
+        "(all-gather + reduce-scatter instead of all-reduce)",
+    )
+    g.add_argument(
+        "--loss_parallel",
+        action="store_true",
+        help="compute the cross-entropy on vocabulary-sharded logits, never gathering them",
+    )
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/tp"
     check_core_args(args)
     model_config = model_config_from_args(args)
 
-    # ------------------------------------------------------------------------ Accelerator and layout
+    # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
     # the scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded="train_tp", step_scheduler_with_optimizer=False)
-    layout = Layout.from_degrees(accelerator.num_processes, tp=args.tp_size, dp_shard=1 if args.tp_size == -1 else -1)  # TP x the rest
+    layout = Layout.from_degrees(
+        accelerator.num_processes, tp=args.tp_size, dp_shard=1 if args.tp_size == -1 else -1
+    )  # TP x the rest
     layout.check_model(model_config)  # TP divides the heads, the MLP width and the vocabulary
     global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
 
-    # ------------------------------------------------------------------------ data (checked before anything is written)
+    # ---------------------------------------- data (checked before anything is written)
     data = load_data(args, accelerator, model_config.block_size)
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     check_tp_flags(layout, data.seq_len, data.task, args.sequence_parallel, args.loss_parallel)
     resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
     layout.build_mesh(accelerator.device.type)
 
-    # ------------------------------------------------------------------------ model
+    # ---------------------------------------- model
     set_seed(args.seed)  # Accelerate: the same full model on every rank, then split: init independent of the layout
     model = GPT(model_config).to(accelerator.device)
     n_params = count_parameters(model)
 
-    # ------------------------------------------------------------------------ TP: the strategy
+    # ---------------------------------------- TP: the strategy
     apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)  # TP: split every block
     if layout.dp > 1:  # processes beyond the TP group: data parallel over the TP groups (FSDP)
         apply_fsdp(model, [model], layout.fsdp_mesh, accelerator.mixed_precision)
 
-    # ------------------------------------------------------------------------ optimizer (after splitting: it sees the shards)
+    # ---------------------------------------- optimizer (after splitting: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model: TP owns it)
     train_sampler = train_loader.sampler
-    train_loader = shard_loader(train_loader, accelerator, layout)  # Accelerate: every rank of a TP group gets the same batch
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler) if resume_path else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, args.gradient_accumulation_steps,
-                         progress["epoch"], progress["samples_in_epoch"], dp_group=layout.group("dp"))
+    train_loader = shard_loader(
+        train_loader, accelerator, layout
+    )  # Accelerate: every rank of a TP group gets the same batch
+    progress = (
+        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
+        if resume_path
+        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    )
+    stream = TrainStream(
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        args.gradient_accumulation_steps,
+        progress["epoch"],
+        progress["samples_in_epoch"],
+        dp_group=layout.group("dp"),
+    )
 
-    # ------------------------------------------------------------------------ the training loop
+    # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_tp", start_step=step, world_size=layout.world_size, global_batch_size=global_batch_size,
-                 tokens_per_step=global_batch_size * data.seq_len, flops_per_token=flops_per_token(model_config, n_params, data.seq_len))
-    d, tp = model_config.n_embd, layout.tp
-    megatron_mib = 4 * args.batch_size * data.seq_len * d / 2**20  # one all-reduce of the activations, fp32
-    accelerator.print(
-        f"train_tp: {layout.world_size} process(es) on {accelerator.device}, mixed precision {accelerator.mixed_precision}\n{layout.table()}\n"
-        f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters; data {data.task}: {len(data.train)} train samples of {data.seq_len} tokens\n"
-        f"  global batch = {args.batch_size} per dp rank x {layout.dp} dp ranks x {args.gradient_accumulation_steps} accumulation = {global_batch_size}\n"
-        f"  tensor parallel: {tp} ranks per group, {model_config.n_head // tp} of {model_config.n_head} heads and {4 * d // tp} of {4 * d} MLP "
-        f"columns each; sequence parallel {'on' if args.sequence_parallel else 'off'}, loss parallel {'on' if args.loss_parallel else 'off'}\n"
-        f"  Megatron's count per step: 4 all-reduces per layer of b*s*d = {megatron_mib:.3f} MiB ({4 * model_config.n_layer} for "
-        f"{model_config.n_layer} layers); measured below\n"
-        + sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-        + (f"\n  resuming from {resume_path} at step {step}" if resume_path else "")
+    log = RunLog(
+        accelerator,
+        args,
+        "train_tp",
+        start_step=step,
+        world_size=layout.world_size,
+        global_batch_size=global_batch_size,
+        tokens_per_step=global_batch_size * data.seq_len,
+        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
+    )
+    megatron_mib = (
+        4 * args.batch_size * data.seq_len * model_config.n_embd / 2**20
+    )  # one all-reduce of the activations, fp32
+    heads, cols = model_config.n_head, 4 * model_config.n_embd
+    log.start(
+        model_config,
+        n_params,
+        data,
+        resume_path=resume_path,
+        layout=layout,
+        strategy_lines=[
+            f"tensor parallel: {layout.tp} ranks per group, {heads // layout.tp} of {heads} heads "
+            f"and {cols // layout.tp} of {cols} "
+            f"MLP columns each; sequence parallel {'on' if args.sequence_parallel else 'off'}, "
+            f"loss parallel {'on' if args.loss_parallel else 'off'}",
+            f"Megatron's count per step: 4 all-reduces per layer of b*s*d = {megatron_mib:.3f} MiB "
+            f"({4 * model_config.n_layer} for {model_config.n_layer} layers); measured below",
+            sharded_start_lines(model, layout, n_params, args.optimizer, accelerator),
+        ],
     )
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
@@ -207,7 +277,9 @@ def main():
         log.step_start()
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
-            loss_sum = tp_forward_backward(accelerator, model, window, global_targets, layout.dp, args.loss_parallel)  # TP: f/g collectives
+            loss_sum = tp_forward_backward(
+                accelerator, model, window, global_targets, layout.dp, args.loss_parallel
+            )  # TP: f/g collectives
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's norm
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # TP: each rank updates its slice of every matrix
@@ -221,24 +293,49 @@ def main():
 
         if log.is_log_step(step):
             # every rank of a TP group holds the same loss: one per data-parallel replica counts it
-            loss = accelerator.reduce(loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum")  # Accelerate: all-reduce
-            log.train(step, (loss / global_targets).item(), lr, grad_norm if args.max_grad_norm else None, layout=layout.describe(), epoch=stream.epoch)
+            loss = accelerator.reduce(
+                loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum"
+            )  # Accelerate: all-reduce
+            log.train(
+                step,
+                (loss / global_targets).item(),
+                lr,
+                grad_norm if args.max_grad_norm else None,
+                layout=layout.describe(),
+                epoch=stream.epoch,
+            )
         if log.is_eval_step(step):
             model.eval()
-            log.eval(step, evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task))
+            log.eval(
+                step, evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
+            )
             model.train()
         if log.is_checkpoint_step(step):
-            state = {"step": step, **stream.position(), "global_batch_size": global_batch_size, "world_size": layout.world_size,
-                     "layout": layout.describe(), "seed": args.seed, "model_config": model_config.to_dict()}
-            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)  # every rank
+            state = {
+                "step": step,
+                **stream.position(),
+                "global_batch_size": global_batch_size,
+                "world_size": layout.world_size,
+                "layout": layout.describe(),
+                "seed": args.seed,
+                "model_config": model_config.to_dict(),
+            }
+            save_checkpoint(
+                accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last
+            )  # every rank
     stream.close()
 
-    # ------------------------------------------------------------------------ save
+    # ---------------------------------------- save
     if step == args.max_steps:
-        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model")  # every rank: gathers
-    log.summary(step, **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm),
-                megatron_allreduce_mib_each=round(megatron_mib, 4),
-                megatron_allreduces_per_step=4 * model_config.n_layer * args.gradient_accumulation_steps)
+        export_model(
+            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model"
+        )  # every rank: gathers
+    log.summary(
+        step,
+        **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm),
+        megatron_allreduce_mib_each=round(megatron_mib, 4),
+        megatron_allreduces_per_step=4 * model_config.n_layer * args.gradient_accumulation_steps,
+    )
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

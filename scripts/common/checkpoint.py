@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .errors import UsageError
+from .errors import NothingToDo, UsageError
 from .model import GPT, GPTConfig
 
 STATE_FILE = "trainer_state.json"
@@ -144,9 +144,11 @@ def check_resume_and_output(accelerator, args, model_config: GPTConfig, global_b
     Returns the checkpoint directory to resume from, or None."""
     resume_path = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
-        check_compatible(
-            read_checkpoint_state(resume_path), resume_path, model_config, global_batch_size, accelerator.num_processes
-        )
+        state = read_checkpoint_state(resume_path)
+        check_compatible(state, resume_path, model_config, global_batch_size, accelerator.num_processes)
+        if state["step"] >= args.max_steps:  # a finished run: change nothing
+            raise NothingToDo(f"{resume_path} is already at --max_steps {args.max_steps}: nothing to do "
+                              "(raise --max_steps to train further)")
     prepare_output_dir(args.output_dir, resuming=resume_path is not None, overwrite=args.overwrite_output_dir)
     if args.overwrite_output_dir and not resume_path and accelerator.is_main_process:
         clear_output_dir(args.output_dir)

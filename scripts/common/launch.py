@@ -1,16 +1,19 @@
 """Launch helpers: the command line every script shares, the Accelerator set-up with CPU
 detection and the launch-trap checks, seeding, and one-line errors for bad input."""
+
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
 
 from .data import add_data_args, check_data_args
-from .errors import UsageError
+from .errors import NothingToDo, UsageError
 from .model import MODEL_PRESETS
 
 
@@ -27,15 +30,36 @@ def run_main(main) -> None:
     except UsageError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        report_to_launcher(f"error: {e}")
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(2)
+    except NothingToDo as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(e), flush=True)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.exit(0)
     if world_size_from_env() == 1 and torch.distributed.is_initialized():  # the one-process group of a sharded script
         torch.distributed.destroy_process_group()
     if world_size_from_env() > 1:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def report_to_launcher(message: str) -> None:
+    """Under torchrun (and `accelerate launch`, which runs torchrun), a failed worker ends in the
+    launcher's traceback and failure table. The table shows what the worker wrote to its
+    TORCHELASTIC_ERROR_FILE: writing our one line there makes the table's last lines repeat it,
+    instead of "To enable traceback see: ..." (docs/troubleshooting.md, "A traceback after the error line")."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
 
 
 def world_size_from_env() -> int:
@@ -47,27 +71,50 @@ def world_size_from_env() -> int:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the docstring's pictures as they are and shows every default."""
+    """Keeps the docstring's pictures as they are and shows each real default once: not for
+    switches (off unless given) nor where the default is None (the help text says what then)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The core flags every training script shares; scripts add their own."""
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("run")
-    g.add_argument("--output_dir", default=None, help="everything the run writes goes here (None: runs/<strategy>)")
-    g.add_argument("--overwrite_output_dir", action="store_true", help="start a new run in an --output_dir that already holds one")
+    g.add_argument("--output_dir", default=None, help="everything the run writes goes here (default: runs/<strategy>)")
+    g.add_argument(
+        "--overwrite_output_dir", action="store_true", help="start a new run in an --output_dir that already holds one"
+    )
     g.add_argument("--max_steps", type=int, default=1500, help="optimizer steps to run")
-    g.add_argument("--stop_at_step", type=int, help="end this run at step N with a checkpoint, the schedule still aiming at --max_steps (jobs with a time limit)")
+    g.add_argument(
+        "--stop_at_step",
+        type=int,
+        help="end this run at step N with a checkpoint, the schedule still aiming at --max_steps "
+        "(jobs with a time limit)",
+    )
     g.add_argument("--seed", type=int, default=0, help="fixes init, data order and dropout")
     g.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA exists")
-    g.add_argument("--collective_timeout", type=float, default=300, help="seconds a collective may wait for a peer before the run fails (a dead peer ends the run instead of hanging it)")
+    g.add_argument(
+        "--collective_timeout",
+        type=float,
+        default=300,
+        help="seconds a collective may wait for a peer before the run fails "
+        "(a dead peer ends the run instead of hanging it)",
+    )
     g = p.add_argument_group("batch and optimizer")
     g.add_argument("--batch_size", type=int, default=64, help="micro-batch per data-parallel rank")
     g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--optimizer", default="adamw", help="adamw | sgd (plain SGD, no momentum)")
     g.add_argument("--learning_rate", type=float, default=2e-3, help="peak learning rate")
-    g.add_argument("--weight_decay", type=float, default=0.1, help="decoupled weight decay on matrices (not biases, norms)")
-    g.add_argument("--warmup_steps", type=int, default=100, help="linear warm-up, then cosine decay to 10%% of the peak")
+    g.add_argument(
+        "--weight_decay", type=float, default=0.1, help="decoupled weight decay on matrices (not biases, norms)"
+    )
+    g.add_argument(
+        "--warmup_steps", type=int, default=100, help="linear warm-up, then cosine decay to 10%% of the peak"
+    )
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="clip the global gradient norm (0: no clipping)")
     g = p.add_argument_group("model")
     g.add_argument("--model_size", default="small", help=f"preset: {' | '.join(MODEL_PRESETS)}")
@@ -75,15 +122,22 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--n_head", type=int, help="override the preset's head count")
     g.add_argument("--n_embd", type=int, help="override the preset's width")
     g.add_argument("--block_size", type=int, help="override the preset's context length")
-    g.add_argument("--dropout", type=float, help="dropout probability (None: the preset's, 0)")
+    g.add_argument("--dropout", type=float, help="dropout probability (default: the preset's, 0)")
     add_data_args(p)
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log_every", type=int, default=10, help="write a train record every N steps")
     g.add_argument("--eval_every", type=int, default=250, help="evaluate every N steps (0: only at the end)")
     g.add_argument("--eval_batch_size", type=int, default=250, help="evaluation batch per process")
-    g.add_argument("--checkpoint_every", type=int, default=0, help="save a resumable checkpoint every N steps (0: only the final model)")
+    g.add_argument(
+        "--checkpoint_every",
+        type=int,
+        default=0,
+        help="save a resumable checkpoint every N steps (0: only the final model)",
+    )
     g.add_argument("--keep_last", type=int, default=2, help="keep the newest N checkpoints (0: keep all)")
-    g.add_argument("--resume_from_checkpoint", help="'latest' (newest in OUTPUT_DIR/checkpoints) or a checkpoint directory")
+    g.add_argument(
+        "--resume_from_checkpoint", help="'latest' (newest in OUTPUT_DIR/checkpoints) or a checkpoint directory"
+    )
     g.add_argument("--report_to", default="none", help="Accelerate trackers: none | tensorboard | wandb | all ...")
     g.add_argument("--peak_flops", type=float, help="the device's peak FLOP/s, for MFU (default: known GPUs only)")
     return p
@@ -120,28 +174,39 @@ def check_core_args(args) -> None:
 
 
 def check_launch() -> None:
-    """docs/troubleshooting.md, "Only one process started": `accelerate launch --cpu --num_processes 2`, or a MULTI_CPU config
+    """docs/troubleshooting.md, "Only one process started": `accelerate launch --cpu --num_processes 2`,
+    or a MULTI_CPU config
     without an mpirun hostfile, starts ONE process. The launcher leaves a trace: it sets
     MASTER_ADDR (only done when asked for more than one process or machine) and
     ACCELERATE_USE_CPU (only its single-process launcher does), but no WORLD_SIZE."""
     asked_for_more = "MASTER_ADDR" in os.environ and "ACCELERATE_USE_CPU" in os.environ
     if asked_for_more and world_size_from_env() == 1:
         raise UsageError(
-            "accelerate launch was asked for several processes but started only one (a --cpu or MULTI_CPU launch without "
-            "an mpirun hostfile does that): use --config_file accelerate_configs/cpu_multi.yaml, or --multi_gpu --num_processes N"
+            "accelerate launch was asked for several processes but started only one (a --cpu or MULTI_CPU launch "
+            "without an mpirun hostfile does that): use --config_file accelerate_configs/cpu_multi.yaml, "
+            "or --multi_gpu --num_processes N"
         )
 
 
 def launcher_sharding() -> str | None:
     """The sharded strategy an Accelerate config asked for (FSDP, DeepSpeed, Megatron-LM), if any.
     Read from the launcher's environment: on CPU Accelerate silently drops an FSDP config
-    (docs/troubleshooting.md, "Accelerate's FSDP config is ignored on CPU"), so the Accelerator's state would not tell."""
-    return next((name for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM") if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"), None)
+    (docs/troubleshooting.md, "Accelerate's FSDP config is ignored on CPU"), so the Accelerator's state
+    would not tell."""
+    return next(
+        (
+            name
+            for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+            if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"
+        ),
+        None,
+    )
 
 
 def make_accelerator(args, sharded: str | None = None, **accelerator_kwargs):
     """The Accelerator, with the CPU traps handled:
-    - "Several processes that each think they are alone" (docs/troubleshooting.md): a torchrun-style launch (`--multi_gpu`, MULTI_GPU config) on a machine without
+    - "Several processes that each think they are alone" (docs/troubleshooting.md): a torchrun-style
+      launch (`--multi_gpu`, MULTI_GPU config) on a machine without
       CUDA starts N processes that each think they are alone, unless told to use the CPU:
       we pass cpu=True whenever CUDA is missing, and they join one gloo process group;
     - the collective timeout: a dead peer fails the run after `--collective_timeout` s."""
@@ -157,12 +222,18 @@ def make_accelerator(args, sharded: str | None = None, **accelerator_kwargs):
         cpu=use_cpu,
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout)), *accelerator_kwargs.pop("kwargs_handlers", [])],
+        kwargs_handlers=[
+            InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout)),
+            *accelerator_kwargs.pop("kwargs_handlers", []),
+        ],
         **accelerator_kwargs,
     )
     if accelerator.num_processes != expected:  # never N silent single-process runs
-        raise UsageError(f"the launcher started {expected} processes but they did not join one group (each sees "
-                         f"{accelerator.num_processes}): launch with accelerate launch --config_file accelerate_configs/cpu_multi.yaml")
+        raise UsageError(
+            f"the launcher started {expected} processes but they did not join one group (each sees "
+            f"{accelerator.num_processes}): launch with accelerate launch --config_file "
+            "accelerate_configs/cpu_multi.yaml"
+        )
     if sharded:
         check_sharded_launch(accelerator, sharded)
         init_one_process_group(accelerator)
@@ -176,12 +247,16 @@ def check_sharded_launch(accelerator, name: str) -> None:
     sharded gradients."""
     sharded = launcher_sharding()
     if sharded:
-        raise UsageError(f"{name}.py applies its strategy itself with PyTorch's APIs, but the launch also asked Accelerate for "
-                         f"{sharded}: launch with a plain multi-process config, e.g. --config_file "
-                         "accelerate_configs/cpu_multi.yaml (or gpu_multi.yaml)")
+        raise UsageError(
+            f"{name}.py applies its strategy itself with PyTorch's APIs, but the launch also asked Accelerate for "
+            f"{sharded}: launch with a plain multi-process config, e.g. --config_file "
+            "accelerate_configs/cpu_multi.yaml (or gpu_multi.yaml)"
+        )
     if accelerator.mixed_precision == "fp16":
-        raise UsageError("--mixed_precision fp16 is not supported by the sharded strategies (its loss scaler does not handle "
-                         "sharded gradients): launch with --mixed_precision bf16 or no")
+        raise UsageError(
+            "--mixed_precision fp16 is not supported by the sharded strategies (its loss scaler does not handle "
+            "sharded gradients): launch with --mixed_precision bf16 or no"
+        )
 
 
 def init_one_process_group(accelerator) -> None:
@@ -191,5 +266,10 @@ def init_one_process_group(accelerator) -> None:
     if torch.distributed.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if accelerator.device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
-                                         device_id=accelerator.device if accelerator.device.type == "cuda" else None)
+    torch.distributed.init_process_group(
+        backend,
+        store=torch.distributed.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=accelerator.device if accelerator.device.type == "cuda" else None,
+    )

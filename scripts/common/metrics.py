@@ -1,6 +1,7 @@
 """What a run measures and writes: metrics.jsonl and the progress bar (RunLog), throughput,
 MFU, peak memory, evaluation (replicated or sharded model), and the cost figures of the sharded
 strategies (bytes each rank holds, collectives of one step)."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,16 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 # Dense bf16 peak FLOP/s of common accelerators, for MFU; CPUs have no reliable figure (use --peak_flops).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
 
 
 def peak_flops(device: torch.device, override: float | None) -> float | None:
@@ -105,7 +115,9 @@ def evaluate(accelerator, model, eval_loader, task: str) -> dict:
         logits = model(batch["input_ids"])
         targets = batch["labels"][:, 1:]  # position t predicts token t+1
         is_target = targets != -100
-        token_loss = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets, ignore_index=-100, reduction="none")
+        token_loss = F.cross_entropy(
+            logits[:, :-1].transpose(1, 2).float(), targets, ignore_index=-100, reduction="none"
+        )
         correct = ((logits[:, :-1].argmax(-1) == targets) | ~is_target).all(dim=1)
         # one row per sample: the unit gather_for_metrics de-duplicates
         per_sample = torch.stack([token_loss.sum(1), is_target.sum(1).float(), correct.float()], dim=1)
@@ -129,18 +141,61 @@ class RunLog:
     Without a terminal (a log file, a batch job) the bar redraws at most every 30 s instead of
     filling the log with carriage returns."""
 
-    def __init__(self, accelerator, args, name: str, *, start_step: int, world_size: int, global_batch_size: int,
-                 tokens_per_step: int, flops_per_token: float):
+    def __init__(
+        self,
+        accelerator,
+        args,
+        name: str,
+        *,
+        start_step: int,
+        world_size: int,
+        global_batch_size: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+    ):
         self.accelerator, self.args = accelerator, args
         self.world_size, self.global_batch_size, self.tokens_per_step = world_size, global_batch_size, tokens_per_step
-        self.start_step = start_step
+        self.name, self.start_step = name, start_step
         self.metrics = MetricsWriter(args.output_dir, accelerator.is_main_process)
         self.throughput = Throughput(flops_per_token, peak_flops(accelerator.device, args.peak_flops))
         config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers(name, config=config)  # Accelerate: trackers (--report_to)
-        self.bar = tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True,
-                        disable=not accelerator.is_main_process, mininterval=0.1 if sys.stderr.isatty() else 30)
+        self.bar = None  # made by start(), below the first lines
         self.run_start = self._step_start = time.perf_counter()
+
+    def start(
+        self, model_config, n_params: int, data, strategy_lines: list[str], resume_path=None, layout=None
+    ) -> None:
+        """The lines a run prints first: who runs, the model, the data, the global batch, what the
+        strategy costs, and where a resumed run starts."""
+        acc, args = self.accelerator, self.args
+        dp = self.global_batch_size // (args.batch_size * args.gradient_accumulation_steps)
+        lines = [
+            f"{self.name}: {self.world_size} process(es) on {acc.device} ({acc.distributed_type}), "
+            f"mixed precision {acc.mixed_precision}"
+        ]
+        if layout is not None:
+            lines.append(layout.table())
+        lines += [
+            f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters, "
+            f"{model_config.n_layer} layers x {model_config.n_embd} wide",
+            f"  data {getattr(data, 'name', data.task)}: {len(data.train)} train / "
+            f"{len(data.validation)} validation samples of {data.seq_len} tokens",
+            f"  global batch = {args.batch_size} per data-parallel rank x {dp} dp ranks "
+            f"x {args.gradient_accumulation_steps} accumulation = {self.global_batch_size} samples",
+            *(f"  {line}" for line in strategy_lines),
+        ]
+        if resume_path:
+            lines.append(f"  resuming from {resume_path} at step {self.start_step}")
+        acc.print("\n".join(lines))  # Accelerate: prints on the main process only
+        self.bar = tqdm(
+            total=args.max_steps,
+            initial=self.start_step,
+            desc="train",
+            dynamic_ncols=True,
+            disable=not acc.is_main_process,
+            mininterval=0.1 if sys.stderr.isatty() else 30,
+        )
 
     # --- when: the cadence flags ----------------------------------------------------------
     def is_log_step(self, step: int) -> bool:
@@ -150,7 +205,10 @@ class RunLog:
         return bool(self.args.eval_every and step % self.args.eval_every == 0) or step == self.args.max_steps
 
     def is_checkpoint_step(self, step: int) -> bool:
-        return bool(self.args.checkpoint_every and step % self.args.checkpoint_every == 0) or step == self.args.stop_at_step
+        return (
+            bool(self.args.checkpoint_every and step % self.args.checkpoint_every == 0)
+            or step == self.args.stop_at_step
+        )
 
     # --- what -------------------------------------------------------------------------------
     def step_start(self) -> None:
@@ -161,11 +219,21 @@ class RunLog:
         self.bar.update(1)
 
     def train(self, step: int, loss: float, lr: float, grad_norm, **extra) -> dict:
-        record = {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
-                  "global_batch_size": self.global_batch_size, "world_size": self.world_size, **extra,
-                  **self.throughput.report(self.world_size)}
+        record = {
+            "type": "train",
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "global_batch_size": self.global_batch_size,
+            "world_size": self.world_size,
+            **extra,
+            **self.throughput.report(self.world_size),
+        }
         self.metrics.write(record)
-        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=step)  # Accelerate: trackers
+        self.accelerator.log(
+            {k: v for k, v in record.items() if isinstance(v, float)}, step=step
+        )  # Accelerate: trackers
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
         return record
 
@@ -185,9 +253,16 @@ class RunLog:
     def summary(self, step: int, **figures) -> dict:
         """The run's last record; prints it with where the model (or the checkpoint) is."""
         self.bar.close()
-        summary = {"type": "summary", "steps": step - self.start_step, "final_step": step, "time_s": self.elapsed(),
-                   **self.throughput.summary(self.world_size), "global_batch_size": self.global_batch_size,
-                   "world_size": self.world_size, **figures}
+        summary = {
+            "type": "summary",
+            "steps": step - self.start_step,
+            "final_step": step,
+            "time_s": self.elapsed(),
+            **self.throughput.summary(self.world_size),
+            "global_batch_size": self.global_batch_size,
+            "world_size": self.world_size,
+            **figures,
+        }
         self.metrics.write(summary)
         if step == self.args.max_steps:
             saved = f"model saved to {Path(self.args.output_dir) / 'model'}"
@@ -203,7 +278,9 @@ def format_number(value) -> str:
 
 
 def gather_max(accelerator, value: float) -> float:
-    return accelerator.gather(torch.tensor([float(value)], device=accelerator.device)).max().item()  # Accelerate: all-gather
+    return (
+        accelerator.gather(torch.tensor([float(value)], device=accelerator.device)).max().item()
+    )  # Accelerate: all-gather
 
 
 # ====================================================================== sharded models
@@ -228,14 +305,20 @@ def evaluate_sharded(accelerator, predict, validation, batch_size: int, layout, 
     for i, batch in enumerate(DataLoader(Subset(validation, indices), batch_size=batch_size)):
         with accelerator.autocast():  # Accelerate: autocast
             logits = predict(batch["input_ids"].to(device))
-        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # loss parallel: a collective, every TP rank
+        logits = (
+            logits.full_tensor() if isinstance(logits, DTensor) else logits
+        )  # loss parallel: a collective, every TP rank
         if logits is None or not layout.holds_loss:
             continue
         mask = real[i * batch_size : (i + 1) * batch_size].to(device)
         targets = batch["labels"][:, 1:].to(device)
         is_target = (targets != -100) & mask[:, None]
-        token_loss = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets.masked_fill(~is_target, -100),
-                                     ignore_index=-100, reduction="none")
+        token_loss = F.cross_entropy(
+            logits[:, :-1].transpose(1, 2).float(),
+            targets.masked_fill(~is_target, -100),
+            ignore_index=-100,
+            reduction="none",
+        )
         correct = ((logits[:, :-1].argmax(-1) == targets) | ~is_target).all(dim=1) & mask
         sums += torch.stack([token_loss.sum(), is_target.sum(), correct.sum(), mask.sum()]).double()
     dist.all_reduce(sums)
@@ -259,8 +342,11 @@ def training_state_bytes(model: nn.Module, optimizer) -> dict:
     opt = getattr(optimizer, "optimizer", optimizer)
     params = list(model.parameters())
     optim_tensors = [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    figures = {"param_bytes": local_bytes(params), "grad_bytes": local_bytes(p.grad for p in params if p.grad is not None),
-               "optimizer_bytes": local_bytes(optim_tensors)}
+    figures = {
+        "param_bytes": local_bytes(params),
+        "grad_bytes": local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer_bytes": local_bytes(optim_tensors),
+    }
     figures["total_bytes"] = sum(figures.values())
     return figures
 
@@ -269,7 +355,12 @@ def ddp_state_bytes(n_params: int, optimizer_name: str) -> dict:
     """What DDP holds on every rank in fp32: parameters, gradients, and for AdamW two moments
     (plus a 4-byte step count per tensor, ignored here)."""
     optim = 8 * n_params if optimizer_name == "adamw" else 0
-    return {"param_bytes": 4 * n_params, "grad_bytes": 4 * n_params, "optimizer_bytes": optim, "total_bytes": 8 * n_params + optim}
+    return {
+        "param_bytes": 4 * n_params,
+        "grad_bytes": 4 * n_params,
+        "optimizer_bytes": optim,
+        "total_bytes": 8 * n_params + optim,
+    }
 
 
 def sharded_start_lines(model, layout, n_params: int, optimizer_name: str, accelerator) -> str:
@@ -277,27 +368,44 @@ def sharded_start_lines(model, layout, n_params: int, optimizer_name: str, accel
     param_bytes = gather_max(accelerator, local_bytes(model.parameters()))
     per_state = 4 if optimizer_name == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
     ddp_bytes = ddp_state_bytes(n_params, optimizer_name)["total_bytes"]
-    return (f"  parameters per rank (largest): {param_bytes / 2**20:.2f} MiB of the unsharded {4 * n_params / 2**20:.2f} MiB; "
-            f"with gradients and optimizer state ~{per_state * param_bytes / 2**20:.2f} MiB "
-            f"(DDP: {ddp_bytes / 2**20:.2f} MiB, ideal split over {layout.model_split}: {ddp_bytes / layout.model_split / 2**20:.2f} MiB)")
+    return (
+        f"parameters per rank (largest): {param_bytes / 2**20:.2f} MiB "
+        f"of the unsharded {4 * n_params / 2**20:.2f} MiB; "
+        f"with gradients and optimizer state ~{per_state * param_bytes / 2**20:.2f} MiB "
+        f"(DDP: {ddp_bytes / 2**20:.2f} MiB, ideal split over {layout.model_split}: "
+        f"{ddp_bytes / layout.model_split / 2**20:.2f} MiB)"
+    )
 
 
 def first_step_line(state_bytes: dict, comm: dict) -> str:
     collectives = ", ".join(f"{k} {v['calls']} calls / {v['mib']:.3f} MiB" for k, v in comm.items()) or "none"
-    return (f"  measured on the first step (rank 0): parameters + gradients + optimizer state "
-            f"{state_bytes['total_bytes'] / 2**20:.2f} MiB; collectives {collectives}")
+    return (
+        f"  measured on the first step (rank 0): parameters + gradients + optimizer state "
+        f"{state_bytes['total_bytes'] / 2**20:.2f} MiB; collectives {collectives}"
+    )
 
 
 def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, state_bytes: dict, comm: dict) -> dict:
     """The cost figures of a sharded run's summary: measured bytes per rank (largest rank)
     against DDP's and the ideal split, and the first step's collectives. Collective (gathers)."""
-    measured = {k: gather_max(accelerator, state_bytes.get(k, 0)) for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")}
-    ideal = ddp_state_bytes(n_params, optimizer_name)["total_bytes"] / layout.model_split  # DDP's bytes over every different piece
-    return {"n_params": n_params, "layout": layout.describe(),
-            "peak_memory_mb_max_rank": round(gather_max(accelerator, peak_memory_mb(accelerator.device)), 1),
-            "state_bytes_per_rank_max": measured, "ddp_state_bytes_per_rank": ddp_state_bytes(n_params, optimizer_name),
-            "ideal_state_bytes_per_rank": round(ideal), "state_vs_ideal": round(measured["total_bytes"] / ideal, 4),
-            "unsharded_param_bytes": 4 * n_params, "collectives_first_step_rank0": comm}
+    measured = {
+        k: gather_max(accelerator, state_bytes.get(k, 0))
+        for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
+    }
+    ideal = (
+        ddp_state_bytes(n_params, optimizer_name)["total_bytes"] / layout.model_split
+    )  # DDP's bytes over every different piece
+    return {
+        "n_params": n_params,
+        "layout": layout.describe(),
+        "peak_memory_mb_max_rank": round(gather_max(accelerator, peak_memory_mb(accelerator.device)), 1),
+        "state_bytes_per_rank_max": measured,
+        "ddp_state_bytes_per_rank": ddp_state_bytes(n_params, optimizer_name),
+        "ideal_state_bytes_per_rank": round(ideal),
+        "state_vs_ideal": round(measured["total_bytes"] / ideal, 4),
+        "unsharded_param_bytes": 4 * n_params,
+        "collectives_first_step_rank0": comm,
+    }
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -306,11 +414,22 @@ class CollectiveCounter(TorchDispatchMode):
     DTensor collectives of TP (functional ops) and the c10d ops of FSDP, pipeline send/recv and
     plain torch.distributed calls. `enabled=False` makes it a no-op (the steps after the first)."""
 
-    NAMES = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
-             "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-             "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-             "all_to_all_single": "all_to_all", "broadcast_": "broadcast", "send": "send", "recv_": "recv"}
+    NAMES = {
+        "all_reduce": "all_reduce",
+        "allreduce_": "all_reduce",
+        "all_gather_into_tensor": "all_gather",
+        "_allgather_base_": "all_gather",
+        "allgather_": "all_gather",
+        "allgather_into_tensor_coalesced_": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "_reduce_scatter_base_": "reduce_scatter",
+        "reduce_scatter_": "reduce_scatter",
+        "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+        "all_to_all_single": "all_to_all",
+        "broadcast_": "broadcast",
+        "send": "send",
+        "recv_": "recv",
+    }
 
     def __init__(self, enabled: bool = True):
         super().__init__()
@@ -328,7 +447,9 @@ class CollectiveCounter(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if func.namespace in ("_c10d_functional", "c10d") and name in self.NAMES:
             kind = self.NAMES[name]
-            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+            tensors = [
+                t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)
+            ]
             buffer = max((t.nbytes for t in tensors), default=0)  # the full (unsharded) buffer of the collective
             if func.namespace == "_c10d_functional" and kind == "all_gather":
                 buffer *= args[1]  # functional all-gather gets the shard and the group size
@@ -337,4 +458,6 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def report(self) -> dict:
-        return {kind: {"calls": self.calls[kind], "mib": round(self.bytes[kind] / 2**20, 4)} for kind in sorted(self.calls)}
+        return {
+            kind: {"calls": self.calls[kind], "mib": round(self.bytes[kind] / 2**20, 4)} for kind in sorted(self.calls)
+        }

@@ -1,6 +1,7 @@
 """Pieces of a training run that every strategy shares: model config from the flags, the
 optimizer, the LR schedule, gradient clipping over sharded gradients, and the endless stream of
 micro-batches with a resumable, layout-free data position."""
+
 from __future__ import annotations
 
 import math
@@ -16,16 +17,27 @@ from .model import GPTConfig
 
 
 def model_config_from_args(args) -> GPTConfig:
-    cfg = GPTConfig.from_preset(args.model_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, dropout=args.dropout)
+    cfg = GPTConfig.from_preset(
+        args.model_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        block_size=args.block_size,
+        dropout=args.dropout,
+    )
     if cfg.n_embd % cfg.n_head:
-        raise UsageError(f"--n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}: choose a head count that divides the width")
+        raise UsageError(
+            f"--n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}: "
+            "choose a head count that divides the width"
+        )
     return cfg
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not biases, norms), or plain SGD.
     Sharded models hold DTensor parameters, often beside plain ones (or DTensors on different
-    meshes): the fused multi-tensor (`foreach`) kernels refuse such a mix (docs/troubleshooting.md, "Slow or failing optimizer with DTensor parameters"), so they
+    meshes): the fused multi-tensor (`foreach`) kernels refuse such a mix (docs/troubleshooting.md,
+    "Slow or failing optimizer with DTensor parameters"), so they
     then run per parameter."""
     from torch.distributed.tensor import DTensor
 
@@ -64,8 +76,18 @@ class TrainStream:
     epoch 0 (docs/troubleshooting.md, "Resume is not exact"), so the epoch is set on it, and on the sampler, every pass.
     """
 
-    def __init__(self, accelerator, loader, sampler, global_batch_size: int, gradient_accumulation_steps: int,
-                 epoch: int = 0, samples_in_epoch: int = 0, dp_group=None, count_over_ranks: bool = True):
+    def __init__(
+        self,
+        accelerator,
+        loader,
+        sampler,
+        global_batch_size: int,
+        gradient_accumulation_steps: int,
+        epoch: int = 0,
+        samples_in_epoch: int = 0,
+        dp_group=None,
+        count_over_ranks: bool = True,
+    ):
         self.accelerator, self.loader, self.sampler = accelerator, loader, sampler
         self.global_batch_size, self.grad_accum = global_batch_size, gradient_accumulation_steps
         self.epoch, self.samples_in_epoch = epoch, samples_in_epoch
@@ -79,7 +101,11 @@ class TrainStream:
         epoch, skip_samples = self.epoch, self.samples_in_epoch
         while True:
             per_rank_micro_batch = self.loader.total_batch_size  # batch_size x processes
-            loader = self.accelerator.skip_first_batches(self.loader, skip_samples // per_rank_micro_batch) if skip_samples else self.loader
+            loader = (
+                self.accelerator.skip_first_batches(self.loader, skip_samples // per_rank_micro_batch)
+                if skip_samples
+                else self.loader
+            )
             loader.set_epoch(epoch)  # a new order every epoch; forgetting this repeats epoch 0's
             self.sampler.set_epoch(epoch)
             yield from loader
@@ -89,7 +115,11 @@ class TrainStream:
         window = [next(self._batches) for _ in range(self.grad_accum)]
         count = sum((mb["labels"][:, 1:] != -100).sum() for mb in window).float()
         work = None
-        if self.count_over_ranks and torch.distributed.is_initialized() and torch.distributed.get_world_size(self.dp_group) > 1:
+        if (
+            self.count_over_ranks
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(self.dp_group) > 1
+        ):
             work = torch.distributed.all_reduce(count, group=self.dp_group, async_op=True)
         return window, count, work
 
@@ -117,8 +147,9 @@ class TrainStream:
 def shard_loader(loader, accelerator, layout):
     """Accelerate's loader sharding, over the data-parallel ranks only: every rank of one TP
     group or one pipeline gets the same micro-batches (prepare() would shard over all ranks)."""
-    return prepare_data_loader(loader, device=accelerator.device, num_processes=layout.dp, process_index=layout.dp_rank,
-                               put_on_device=True)
+    return prepare_data_loader(
+        loader, device=accelerator.device, num_processes=layout.dp, process_index=layout.dp_rank, put_on_device=True
+    )
 
 
 @torch.no_grad()
