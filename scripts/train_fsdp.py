@@ -45,7 +45,7 @@ from common.metrics import (
     sharded_summary,
     training_state_bytes,
 )
-from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
+from common.model import GPT, count_parameters, cross_entropy_sum
 from common.training import (
     TrainStream,
     clip_grad_norm_,
@@ -53,6 +53,7 @@ from common.training import (
     make_scheduler,
     model_config_from_args,
     shard_loader,
+    trainer_state,
 )
 
 
@@ -183,66 +184,41 @@ def main():
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    optimizer, scheduler = accelerator.prepare(
-        optimizer, scheduler
-    )  # Accelerate: wrappers (not the model: FSDP owns it)
+    # Accelerate: optimizer/scheduler wrappers (not the model: FSDP owns it);
+    # the loader is sharded over the data-parallel ranks only
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
-    train_loader = shard_loader(train_loader, accelerator, layout)  # Accelerate: rank r takes every dp-th micro-batch
-    progress = (
-        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
-        if resume_path
-        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    )
+    train_loader = shard_loader(train_loader, accelerator, layout)
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     stream = TrainStream(
         accelerator,
         train_loader,
         train_sampler,
         global_batch_size,
         args.gradient_accumulation_steps,
-        progress["epoch"],
-        progress["samples_in_epoch"],
+        progress,
         dp_group=layout.group("dp"),
     )
 
     # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(
-        accelerator,
-        args,
-        "train_fsdp",
-        start_step=step,
-        world_size=layout.world_size,
-        global_batch_size=global_batch_size,
-        tokens_per_step=global_batch_size * data.seq_len,
-        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
-    )
-    kind = (
-        f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards"
-        if layout.dp_replicate > 1
-        else f"FSDP over {layout.dp_shard} ranks"
-    )
+    log = RunLog(accelerator, args, "train_fsdp", step, layout.world_size, global_batch_size)
+    kind = f"FSDP over {layout.dp_shard} ranks"
+    if layout.dp_replicate > 1:
+        kind = f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards"
     reshard = "on (ZeRO-3)" if args.reshard_after_forward else "off (ZeRO-2 like)"
-    log.start(
-        model_config,
-        n_params,
-        data,
-        resume_path=resume_path,
-        layout=layout,
-        strategy_lines=[
-            f"{kind}; reshard after forward {reshard}",
-            sharded_start_lines(model, layout, n_params, args.optimizer, accelerator),
-        ],
-    )
+    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
+    log.start(model_config, n_params, data, [f"{kind}; reshard after forward {reshard}", costs], resume_path, layout)
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
     while step < min(args.max_steps, args.stop_at_step or args.max_steps):
         log.step_start()
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
-            loss_sum = fsdp_forward_backward(
-                accelerator, model, window, global_targets, layout.dp
-            )  # FSDP: gather, compute, reduce-scatter
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's norm
+            # FSDP: per block all-gather, compute, and in backward reduce-scatter the gradients
+            loss_sum = fsdp_forward_backward(accelerator, model, window, global_targets, layout.dp)
+        # over the shards: the whole model's norm
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # FSDP: each rank updates its own shard
         scheduler.step()
@@ -254,37 +230,26 @@ def main():
         log.step_end()
 
         if log.is_log_step(step):
+            # every rank holds the loss sum of its own micro-batches
+            loss_sum = loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            log.train(
-                step, loss, lr, grad_norm if args.max_grad_norm else None, layout=layout.describe(), epoch=stream.epoch
-            )
+            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
         if log.is_eval_step(step):
             model.eval()
-            log.eval(
-                step, evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
-            )
+            result = evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
             model.train()
+            log.eval(step, result)
         if log.is_checkpoint_step(step):
-            state = {
-                "step": step,
-                **stream.position(),
-                "global_batch_size": global_batch_size,
-                "world_size": layout.world_size,
-                "layout": layout.describe(),
-                "seed": args.seed,
-                "model_config": model_config.to_dict(),
-            }
-            save_checkpoint(
-                accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last
-            )  # every rank
+            state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
+            # every rank writes its part (a collective)
+            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
     stream.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:
-        export_model(
-            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model"
-        )  # every rank: gathers
-    log.summary(step, **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm))
+    if step == args.max_steps:  # every rank: gathers the shards
+        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
+    log.summary(step, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

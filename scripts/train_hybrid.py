@@ -50,7 +50,7 @@ from common.metrics import (
     sharded_summary,
     training_state_bytes,
 )
-from common.model import GPT, count_parameters, flops_per_token
+from common.model import GPT, count_parameters
 from common.training import (
     TrainStream,
     clip_grad_norm_,
@@ -58,6 +58,7 @@ from common.training import (
     make_scheduler,
     model_config_from_args,
     shard_loader,
+    trainer_state,
 )
 from train_fsdp import apply_activation_checkpointing, apply_fsdp
 from train_pp import PipelineStep, add_pipeline_args, check_pipeline_args, check_pipeline_flags, split_pipeline
@@ -135,62 +136,34 @@ def main():
     # ---------------------------------------- optimizer (after every cut: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    optimizer, scheduler = accelerator.prepare(
-        optimizer, scheduler
-    )  # Accelerate: wrappers (not the model: the strategies own it)
+    # Accelerate: optimizer/scheduler wrappers (not the model: each strategy owns it);
+    # the loader is sharded over the data-parallel ranks only
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
-    train_loader = shard_loader(
-        train_loader, accelerator, layout
-    )  # Accelerate: sharded over the data-parallel ranks only
-    progress = (
-        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
-        if resume_path
-        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    )
+    train_loader = shard_loader(train_loader, accelerator, layout)
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     stream = TrainStream(
         accelerator,
         train_loader,
         train_sampler,
         global_batch_size,
         args.gradient_accumulation_steps,
-        progress["epoch"],
-        progress["samples_in_epoch"],
+        progress,
         dp_group=layout.group("dp"),
     )
 
     # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(
-        accelerator,
-        args,
-        "train_hybrid",
-        start_step=step,
-        world_size=layout.world_size,
-        global_batch_size=global_batch_size,
-        tokens_per_step=global_batch_size * data.seq_len,
-        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
+    log = RunLog(accelerator, args, "train_hybrid", step, layout.world_size, global_batch_size)
+    applied = (
+        ("pipeline split", layout.pp > 1),
+        ("tensor parallel", layout.tp > 1),
+        ("activation checkpointing", args.activation_checkpointing),
+        ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp > 1),
     )
-    order = [
-        name
-        for name, on in (
-            ("pipeline split", layout.pp > 1),
-            ("tensor parallel", layout.tp > 1),
-            ("activation checkpointing", args.activation_checkpointing),
-            ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp > 1),
-        )
-        if on
-    ]
-    log.start(
-        model_config,
-        n_params,
-        data,
-        resume_path=resume_path,
-        layout=layout,
-        strategy_lines=[
-            f"order: {' -> '.join(order) or 'none (one process)'}",
-            sharded_start_lines(model, layout, n_params, args.optimizer, accelerator),
-        ],
-    )
+    order = " -> ".join(name for name, on in applied if on) or "none (one process)"
+    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
+    log.start(model_config, n_params, data, [f"order: {order}", costs], resume_path, layout)
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
     while step < min(args.max_steps, args.stop_at_step or args.max_steps):
@@ -198,11 +171,10 @@ def main():
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
             loss_sum = forward_backward(window, global_targets)
-        grad_norm = clip_grad_norm_(
-            model.parameters(), args.max_grad_norm, layout.group("pp")
-        )  # sharded, summed over the stages
+        # sharded, and summed over the stages
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        optimizer.step()  # each rank updates what it holds
         scheduler.step()
         if step == start_step:
             state_bytes, comm = training_state_bytes(model, optimizer), counter.report()
@@ -213,46 +185,25 @@ def main():
 
         if log.is_log_step(step):
             # one rank per data-parallel replica (last stage, TP rank 0) counts its loss sum
-            loss = accelerator.reduce(
-                loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum"
-            )  # Accelerate: all-reduce
-            log.train(
-                step,
-                (loss / global_targets).item(),
-                lr,
-                grad_norm if args.max_grad_norm else None,
-                layout=layout.describe(),
-                epoch=stream.epoch,
-            )
+            loss_sum = loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
         if log.is_eval_step(step):
             model.eval()
-            log.eval(step, evaluate_sharded(accelerator, predict, data.validation, eval_batch_size, layout, data.task))
+            result = evaluate_sharded(accelerator, predict, data.validation, eval_batch_size, layout, data.task)
             model.train()
+            log.eval(step, result)
         if log.is_checkpoint_step(step):
-            state = {
-                "step": step,
-                **stream.position(),
-                "global_batch_size": global_batch_size,
-                "world_size": layout.world_size,
-                "layout": layout.describe(),
-                "seed": args.seed,
-                "model_config": model_config.to_dict(),
-            }
-            save_checkpoint(
-                accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last
-            )  # every rank
+            state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
+            # every rank writes its part (a collective)
+            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
     stream.close()
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank: gathers shards; one rank per stage sends its layers
-        export_model(
-            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout=layout
-        )
-    log.summary(
-        step,
-        **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm),
-        **(pipeline.summary(args) if layout.pp > 1 else {}),
-    )
+        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
+    log.summary(step, **costs, **(pipeline.summary(args) if layout.pp > 1 else {}))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

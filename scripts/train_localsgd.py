@@ -44,8 +44,8 @@ from common.data import data_source, load_data, make_eval_loader, make_train_loa
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, launcher_sharding, make_accelerator, run_main
 from common.metrics import RunLog, evaluate, peak_memory_mb, ring_allreduce_bytes
-from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
-from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args
+from common.model import GPT, count_parameters, cross_entropy_sum
+from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args, trainer_state
 
 
 def parameter_fingerprint(model) -> torch.Tensor:
@@ -113,33 +113,12 @@ def main():
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
-    progress = (
-        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
-        if resume_path
-        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    )
-    stream = TrainStream(
-        accelerator,
-        train_loader,
-        train_sampler,
-        global_batch_size,
-        grad_accum,
-        progress["epoch"],
-        progress["samples_in_epoch"],
-    )
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress)
 
     # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(
-        accelerator,
-        args,
-        "train_localsgd",
-        start_step=step,
-        world_size=dp_size,
-        global_batch_size=global_batch_size,
-        tokens_per_step=global_batch_size * data.seq_len,
-        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
-    )
+    log = RunLog(accelerator, args, "train_localsgd", step, dp_size, global_batch_size)
     fusion_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 parameters, once per fusion
     log.start(
         model_config,
@@ -199,14 +178,7 @@ def main():
                 # between fusions each rank scores its shard with its own replica: a mix of the replicas
                 log.eval(step, evaluate(accelerator, model, eval_loader, data.task))
             if log.is_checkpoint_step(step):
-                state = {
-                    "step": step,
-                    **stream.position(),
-                    "global_batch_size": global_batch_size,
-                    "world_size": dp_size,
-                    "seed": args.seed,
-                    "model_config": model_config.to_dict(),
-                }
+                state = trainer_state(step, stream, args, model_config, global_batch_size, dp_size)
                 # Local SGD: the replicas (and their optimizer states) differ: every rank saves its own
                 save_checkpoint(
                     accelerator,

@@ -60,7 +60,7 @@ from common.metrics import (
     sharded_summary,
     training_state_bytes,
 )
-from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
+from common.model import GPT, count_parameters, cross_entropy_sum
 from common.training import (
     TrainStream,
     clip_grad_norm_,
@@ -68,6 +68,7 @@ from common.training import (
     make_scheduler,
     model_config_from_args,
     shard_loader,
+    trainer_state,
 )
 from train_fsdp import apply_fsdp
 
@@ -424,58 +425,36 @@ def main():
     # ---------------------------------------- optimizer (after the split: this rank's layers)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    optimizer, scheduler = accelerator.prepare(
-        optimizer, scheduler
-    )  # Accelerate: wrappers (not the model: the pipeline owns it)
+    # Accelerate: optimizer/scheduler wrappers (not the model: the pipeline owns it);
+    # the loader is sharded over the data-parallel ranks only
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
-    train_loader = shard_loader(
-        train_loader, accelerator, layout
-    )  # Accelerate: every stage of a pipeline gets the same batch
-    progress = (
-        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
-        if resume_path
-        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    )
+    train_loader = shard_loader(train_loader, accelerator, layout)
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     stream = TrainStream(
         accelerator,
         train_loader,
         train_sampler,
         global_batch_size,
         args.gradient_accumulation_steps,
-        progress["epoch"],
-        progress["samples_in_epoch"],
+        progress,
         dp_group=layout.group("dp"),
     )
 
     # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(
-        accelerator,
-        args,
-        "train_pp",
-        start_step=step,
-        world_size=layout.world_size,
-        global_batch_size=global_batch_size,
-        tokens_per_step=global_batch_size * data.seq_len,
-        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
-    )
+    log = RunLog(accelerator, args, "train_pp", step, layout.world_size, global_batch_size)
     n_stages = layout.pp * args.stages_per_rank
     layers = stage_layers(model_config.n_layer, n_stages, args.split_points)
-    bubble = bubble_theory(layout.pp, args.n_microbatches, args.stages_per_rank)
     stage_list = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(layers))
-    log.start(
-        model_config,
-        n_params,
-        data,
-        resume_path=resume_path,
-        layout=layout,
-        strategy_lines=[
-            f"pipeline: {n_stages} stages ({stage_list}), schedule {args.schedule}, "
-            f"{args.n_microbatches} micro-batches of {args.batch_size // args.n_microbatches}",
-            f"bubble in theory: (p-1)/(v*m+p-1) = {bubble:.3f}; measured in the summary",
-            sharded_start_lines(model, layout, n_params, args.optimizer, accelerator),
-        ],
+    bubble = bubble_theory(layout.pp, args.n_microbatches, args.stages_per_rank)
+    pipeline_line = (
+        f"pipeline: {n_stages} stages ({stage_list}), schedule {args.schedule}, "
+        f"{args.n_microbatches} micro-batches of {args.batch_size // args.n_microbatches}"
     )
+    bubble_line = f"bubble in theory: (p-1)/(v*m+p-1) = {bubble:.3f}; measured in the summary"
+    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
+    log.start(model_config, n_params, data, [pipeline_line, bubble_line, costs], resume_path, layout)
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
     while step < min(args.max_steps, args.stop_at_step or args.max_steps):
@@ -485,9 +464,8 @@ def main():
             loss_sum = pipeline(
                 window, global_targets
             )  # PP: every micro-batch through every stage, forward and backward
-        grad_norm = clip_grad_norm_(
-            model.parameters(), args.max_grad_norm, layout.group("pp")
-        )  # summed over the stages
+        # summed over the stages
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # PP: each rank updates its own layers
         scheduler.step()
@@ -499,50 +477,28 @@ def main():
         log.step_end()
 
         if log.is_log_step(step):
-            # the last stage holds the loss: one of its ranks per data-parallel replica counts it
-            loss = accelerator.reduce(
-                loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum"
-            )  # Accelerate: all-reduce
-            log.train(
-                step,
-                (loss / global_targets).item(),
-                lr,
-                grad_norm if args.max_grad_norm else None,
-                layout=layout.describe(),
-                epoch=stream.epoch,
-            )
+            # the last stage holds the loss sum: one of its ranks per data-parallel replica counts it
+            loss_sum = loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
         if log.is_eval_step(step):
             model.eval()  # through the pipeline, with the training batch's shape
-            log.eval(
-                step,
-                evaluate_sharded(accelerator, pipeline.predict, data.validation, args.batch_size, layout, data.task),
+            result = evaluate_sharded(
+                accelerator, pipeline.predict, data.validation, args.batch_size, layout, data.task
             )
             model.train()
+            log.eval(step, result)
         if log.is_checkpoint_step(step):
-            state = {
-                "step": step,
-                **stream.position(),
-                "global_batch_size": global_batch_size,
-                "world_size": layout.world_size,
-                "layout": layout.describe(),
-                "seed": args.seed,
-                "model_config": model_config.to_dict(),
-            }
-            save_checkpoint(
-                accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last
-            )  # every rank
+            state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
+            # every rank writes its part (a collective)
+            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
     stream.close()
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank: one rank per stage sends its layers to the main process
-        export_model(
-            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout=layout
-        )
-    log.summary(
-        step,
-        **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm),
-        **pipeline.summary(args),
-    )
+        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
+    log.summary(step, **costs, **pipeline.summary(args))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

@@ -63,7 +63,7 @@ from common.metrics import (
     sharded_summary,
     training_state_bytes,
 )
-from common.model import GPT, count_parameters, cross_entropy_sum, flops_per_token
+from common.model import GPT, count_parameters, cross_entropy_sum
 from common.training import (
     TrainStream,
     clip_grad_norm_,
@@ -71,6 +71,7 @@ from common.training import (
     make_scheduler,
     model_config_from_args,
     shard_loader,
+    trainer_state,
 )
 from train_fsdp import apply_fsdp
 
@@ -218,69 +219,49 @@ def main():
     # ---------------------------------------- optimizer (after splitting: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model: TP owns it)
+    # Accelerate: optimizer/scheduler wrappers (not the model: TP owns it);
+    # the loader is sharded over the data-parallel ranks only
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
-    train_loader = shard_loader(
-        train_loader, accelerator, layout
-    )  # Accelerate: every rank of a TP group gets the same batch
-    progress = (
-        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
-        if resume_path
-        else {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    )
+    train_loader = shard_loader(train_loader, accelerator, layout)
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     stream = TrainStream(
         accelerator,
         train_loader,
         train_sampler,
         global_batch_size,
         args.gradient_accumulation_steps,
-        progress["epoch"],
-        progress["samples_in_epoch"],
+        progress,
         dp_group=layout.group("dp"),
     )
 
     # ---------------------------------------- the training loop
     step = start_step = progress["step"]
-    log = RunLog(
-        accelerator,
-        args,
-        "train_tp",
-        start_step=step,
-        world_size=layout.world_size,
-        global_batch_size=global_batch_size,
-        tokens_per_step=global_batch_size * data.seq_len,
-        flops_per_token=flops_per_token(model_config, n_params, data.seq_len),
-    )
-    megatron_mib = (
-        4 * args.batch_size * data.seq_len * model_config.n_embd / 2**20
-    )  # one all-reduce of the activations, fp32
+    log = RunLog(accelerator, args, "train_tp", step, layout.world_size, global_batch_size)
     heads, cols = model_config.n_head, 4 * model_config.n_embd
-    log.start(
-        model_config,
-        n_params,
-        data,
-        resume_path=resume_path,
-        layout=layout,
-        strategy_lines=[
-            f"tensor parallel: {layout.tp} ranks per group, {heads // layout.tp} of {heads} heads "
-            f"and {cols // layout.tp} of {cols} "
-            f"MLP columns each; sequence parallel {'on' if args.sequence_parallel else 'off'}, "
-            f"loss parallel {'on' if args.loss_parallel else 'off'}",
-            f"Megatron's count per step: 4 all-reduces per layer of b*s*d = {megatron_mib:.3f} MiB "
-            f"({4 * model_config.n_layer} for {model_config.n_layer} layers); measured below",
-            sharded_start_lines(model, layout, n_params, args.optimizer, accelerator),
-        ],
+    megatron_mib = 4 * args.batch_size * data.seq_len * model_config.n_embd / 2**20  # one activation all-reduce, fp32
+    on_off = {True: "on", False: "off"}
+    tp_line = (
+        f"tensor parallel: {layout.tp} ranks per group, {heads // layout.tp} of {heads} heads and {cols // layout.tp} "
+        f"of {cols} MLP columns each; sequence parallel {on_off[args.sequence_parallel]}, "
+        f"loss parallel {on_off[args.loss_parallel]}"
     )
+    megatron_line = (
+        f"Megatron's count per step: 4 all-reduces per layer of b*s*d = {megatron_mib:.3f} MiB "
+        f"({4 * model_config.n_layer} for {model_config.n_layer} layers); measured below"
+    )
+    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
+    log.start(model_config, n_params, data, [tp_line, megatron_line, costs], resume_path, layout)
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
     while step < min(args.max_steps, args.stop_at_step or args.max_steps):
         log.step_start()
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
-            loss_sum = tp_forward_backward(
-                accelerator, model, window, global_targets, layout.dp, args.loss_parallel
-            )  # TP: f/g collectives
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's norm
+            # TP: every layer's f/g collectives run inside forward and backward
+            loss_sum = tp_forward_backward(accelerator, model, window, global_targets, layout.dp, args.loss_parallel)
+        # over the shards: the whole model's norm
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # TP: each rank updates its slice of every matrix
         scheduler.step()
@@ -292,47 +273,28 @@ def main():
         log.step_end()
 
         if log.is_log_step(step):
-            # every rank of a TP group holds the same loss: one per data-parallel replica counts it
-            loss = accelerator.reduce(
-                loss_sum if layout.holds_loss else torch.zeros_like(loss_sum), reduction="sum"
-            )  # Accelerate: all-reduce
-            log.train(
-                step,
-                (loss / global_targets).item(),
-                lr,
-                grad_norm if args.max_grad_norm else None,
-                layout=layout.describe(),
-                epoch=stream.epoch,
-            )
+            # the ranks of a TP group hold the same loss sum: one per data-parallel replica counts it
+            loss_sum = loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
         if log.is_eval_step(step):
             model.eval()
-            log.eval(
-                step, evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
-            )
+            result = evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
             model.train()
+            log.eval(step, result)
         if log.is_checkpoint_step(step):
-            state = {
-                "step": step,
-                **stream.position(),
-                "global_batch_size": global_batch_size,
-                "world_size": layout.world_size,
-                "layout": layout.describe(),
-                "seed": args.seed,
-                "model_config": model_config.to_dict(),
-            }
-            save_checkpoint(
-                accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last
-            )  # every rank
+            state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
+            # every rank writes its part (a collective)
+            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
     stream.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:
-        export_model(
-            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model"
-        )  # every rank: gathers
+    if step == args.max_steps:  # every rank: gathers the shards
+        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
     log.summary(
         step,
-        **sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm),
+        **costs,
         megatron_allreduce_mib_each=round(megatron_mib, 4),
         megatron_allreduces_per_step=4 * model_config.n_layer * args.gradient_accumulation_steps,
     )

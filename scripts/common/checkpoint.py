@@ -147,8 +147,10 @@ def check_resume_and_output(accelerator, args, model_config: GPTConfig, global_b
         state = read_checkpoint_state(resume_path)
         check_compatible(state, resume_path, model_config, global_batch_size, accelerator.num_processes)
         if state["step"] >= args.max_steps:  # a finished run: change nothing
-            raise NothingToDo(f"{resume_path} is already at --max_steps {args.max_steps}: nothing to do "
-                              "(raise --max_steps to train further)")
+            raise NothingToDo(
+                f"{resume_path} is already at --max_steps {args.max_steps}: nothing to do "
+                "(raise --max_steps to train further)"
+            )
     prepare_output_dir(args.output_dir, resuming=resume_path is not None, overwrite=args.overwrite_output_dir)
     if args.overwrite_output_dir and not resume_path and accelerator.is_main_process:
         clear_output_dir(args.output_dir)
@@ -213,8 +215,11 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> dict:
-    """Collective: restores model, optimizer, scheduler and RNG in place; returns trainer_state."""
+def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler) -> dict:
+    """Collective: restores model, optimizer, scheduler and RNG in place; returns trainer_state
+    (where the run stands). No path: a fresh start, at step 0 of epoch 0."""
+    if path is None:
+        return {"step": 0, "epoch": 0, "samples_in_epoch": 0}
     state = json.loads((path / STATE_FILE).read_text())
     model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=OPTIONS)
     to_load = {"model": model_sd, "optim": optim_sd}

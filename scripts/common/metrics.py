@@ -21,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
+from .model import flops_per_token
+
 # Dense bf16 peak FLOP/s of common accelerators, for MFU; CPUs have no reliable figure (use --peak_flops).
 PEAK_FLOPS = {
     "H200": 989e12,
@@ -141,34 +143,26 @@ class RunLog:
     Without a terminal (a log file, a batch job) the bar redraws at most every 30 s instead of
     filling the log with carriage returns."""
 
-    def __init__(
-        self,
-        accelerator,
-        args,
-        name: str,
-        *,
-        start_step: int,
-        world_size: int,
-        global_batch_size: int,
-        tokens_per_step: int,
-        flops_per_token: float,
-    ):
-        self.accelerator, self.args = accelerator, args
-        self.world_size, self.global_batch_size, self.tokens_per_step = world_size, global_batch_size, tokens_per_step
-        self.name, self.start_step = name, start_step
+    def __init__(self, accelerator, args, name: str, start_step: int, world_size: int, global_batch_size: int):
+        self.accelerator, self.args, self.name, self.start_step = accelerator, args, name, start_step
+        self.world_size, self.global_batch_size = world_size, global_batch_size
         self.metrics = MetricsWriter(args.output_dir, accelerator.is_main_process)
-        self.throughput = Throughput(flops_per_token, peak_flops(accelerator.device, args.peak_flops))
         config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers(name, config=config)  # Accelerate: trackers (--report_to)
-        self.bar = None  # made by start(), below the first lines
+        self.bar = self.layout = self.throughput = None  # start() makes them
         self.run_start = self._step_start = time.perf_counter()
 
     def start(
         self, model_config, n_params: int, data, strategy_lines: list[str], resume_path=None, layout=None
     ) -> None:
-        """The lines a run prints first: who runs, the model, the data, the global batch, what the
-        strategy costs, and where a resumed run starts."""
+        """Print the run's first lines (who runs, the model, the data, the global batch, what the
+        strategy costs, where a resumed run starts), then open the progress bar."""
         acc, args = self.accelerator, self.args
+        self.layout = layout
+        self.tokens_per_step = self.global_batch_size * data.seq_len
+        self.throughput = Throughput(
+            flops_per_token(model_config, n_params, data.seq_len), peak_flops(acc.device, args.peak_flops)
+        )
         dp = self.global_batch_size // (args.batch_size * args.gradient_accumulation_steps)
         lines = [
             f"{self.name}: {self.world_size} process(es) on {acc.device} ({acc.distributed_type}), "
@@ -188,13 +182,14 @@ class RunLog:
         if resume_path:
             lines.append(f"  resuming from {resume_path} at step {self.start_step}")
         acc.print("\n".join(lines))  # Accelerate: prints on the main process only
+        mininterval = 0.1 if sys.stderr.isatty() else 30
         self.bar = tqdm(
             total=args.max_steps,
             initial=self.start_step,
             desc="train",
             dynamic_ncols=True,
             disable=not acc.is_main_process,
-            mininterval=0.1 if sys.stderr.isatty() else 30,
+            mininterval=mininterval,
         )
 
     # --- when: the cadence flags ----------------------------------------------------------
@@ -219,14 +214,18 @@ class RunLog:
         self.bar.update(1)
 
     def train(self, step: int, loss: float, lr: float, grad_norm, **extra) -> dict:
+        """One train record; `grad_norm` is None when --max_grad_norm 0 turned clipping off."""
+        grad_norm = None if grad_norm is None or not self.args.max_grad_norm else float(grad_norm)
+        layout = {"layout": self.layout.describe()} if self.layout is not None else {}
         record = {
             "type": "train",
             "step": step,
             "loss": loss,
             "lr": lr,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "grad_norm": grad_norm,
             "global_batch_size": self.global_batch_size,
             "world_size": self.world_size,
+            **layout,
             **extra,
             **self.throughput.report(self.world_size),
         }

@@ -83,14 +83,14 @@ class TrainStream:
         sampler,
         global_batch_size: int,
         gradient_accumulation_steps: int,
-        epoch: int = 0,
-        samples_in_epoch: int = 0,
+        progress: dict,
         dp_group=None,
         count_over_ranks: bool = True,
     ):
+        """`progress`: where the run stands (load_checkpoint's answer): epoch and samples_in_epoch."""
         self.accelerator, self.loader, self.sampler = accelerator, loader, sampler
         self.global_batch_size, self.grad_accum = global_batch_size, gradient_accumulation_steps
-        self.epoch, self.samples_in_epoch = epoch, samples_in_epoch
+        self.epoch, self.samples_in_epoch = progress["epoch"], progress["samples_in_epoch"]
         self.samples_per_epoch = len(sampler)  # a whole number of global batches
         self.dp_group = dp_group  # None: all processes are data-parallel ranks
         self.count_over_ranks = count_over_ranks  # False: this rank's own count, no communication
@@ -189,3 +189,21 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         for p in parameters:
             (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(scale.to(p.grad.dtype))
     return norm
+
+
+def trainer_state(
+    step: int, stream: TrainStream, args, model_config, global_batch_size: int, world_size: int, layout=None
+) -> dict:
+    """What a checkpoint records besides the tensors: the step, the data position, and what a
+    resume must match (model, global batch)."""
+    state = {
+        "step": step,
+        **stream.position(),
+        "global_batch_size": global_batch_size,
+        "world_size": world_size,
+        "seed": args.seed,
+        "model_config": model_config.to_dict(),
+    }
+    if layout is not None:
+        state["layout"] = layout.describe()
+    return state
