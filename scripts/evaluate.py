@@ -26,17 +26,8 @@ import torch
 from common.checkpoint import load_exported
 from common.data import SOURCE_DEFAULTS, SOURCE_KEYS, add_data_args, check_data_args, load_data, make_eval_loader
 from common.errors import UsageError
-from common.launch import HelpFormatter as _LaunchHelpFormatter
-from common.launch import make_accelerator, run_main
+from common.launch import HelpFormatter, make_accelerator, run_main
 from common.metrics import evaluate
-
-
-class HelpFormatter(_LaunchHelpFormatter):
-    """Shows a default only where there is one: a flag whose default is None says in its help what
-    happens without it, so no "(default: None)" is added."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:

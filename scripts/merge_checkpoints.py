@@ -25,16 +25,7 @@ import torch
 
 from common.checkpoint import load_exported, write_model_dir
 from common.errors import UsageError
-from common.launch import HelpFormatter as _LaunchHelpFormatter
-from common.launch import run_main
-
-
-class HelpFormatter(_LaunchHelpFormatter):
-    """Shows a default only where there is one: a flag whose default is None says in its help what
-    happens without it, so no "(default: None)" is added."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+from common.launch import HelpFormatter, run_main
 
 
 def missing_model_hint(model_dir: Path) -> str:

@@ -240,6 +240,12 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
         options=OPTIONS,
     )
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    # Another layout may group the parameters differently (one optimizer group per kind of
+    # parameter): every group follows the same schedule from the same peak, so resize the lists.
+    schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper holds the torch one
+    n_groups = len(_unwrap_optimizer(optimizer).param_groups)
+    schedule.base_lrs = schedule.base_lrs[:1] * n_groups
+    schedule._last_lr = schedule._last_lr[:1] * n_groups
     rng_file = path / "rng" / f"rank_{accelerator.process_index}.pt"
     if state.get("world_size") == accelerator.num_processes and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -72,7 +72,9 @@ def add_data_args(parser, defaults_from_model: bool = False) -> None:
     column = "column holding the text (hub and local files)"
     g.add_argument("--text_column", default=default["text_column"], help=column + model)
     g.add_argument("--train_file", help=f"local training file: .txt, .json/.jsonl or .csv; replaces --dataset{model}")
-    g.add_argument("--validation_file", help=f"local validation file (None: the last 5%% of --train_file){model}")
+    held_out = "the last 5%% of --train_file"
+    validation = f"the model's, from --model_dir's data.json; if none, {held_out}" if defaults_from_model else held_out
+    g.add_argument("--validation_file", help=f"local validation file (default: {validation})")
     g.add_argument("--data_cache_dir", default=str(DEFAULT_CACHE_DIR), help="where built data and 🤗 caches go")
 
 

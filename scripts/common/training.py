@@ -35,19 +35,22 @@ def model_config_from_args(args) -> GPTConfig:
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not biases, norms), or plain SGD.
-    Sharded models hold DTensor parameters, often beside plain ones (or DTensors on different
-    meshes): the fused multi-tensor (`foreach`) kernels refuse such a mix (docs/troubleshooting.md,
-    "Slow or failing optimizer with DTensor parameters"), so they
-    then run per parameter."""
-    from torch.distributed.tensor import DTensor
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    foreach = False if any(isinstance(p, DTensor) for p in model.parameters()) else None
+    Sharded models hold DTensor parameters, often beside plain ones, or DTensors on different
+    meshes and placements. The multi-tensor (`foreach`) kernels need one kind per parameter
+    group, and turning them off makes sharded runs slow on GPUs (docs/troubleshooting.md,
+    "Slow or failing optimizer with DTensor parameters"): so every kind, (mesh, placements) or
+    plain, gets its own group, and `foreach` stays at torch's default."""
+    groups: dict[tuple, list] = {}
+    for p in model.parameters():
+        kind = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+        groups.setdefault((p.dim() >= 2, kind), []).append(p)
+    param_groups = [
+        {"params": params, "weight_decay": args.weight_decay if decay else 0.0} for (decay, _), params in groups.items()
+    ]
     if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.learning_rate, foreach=foreach)
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), foreach=foreach)
+        return torch.optim.SGD(param_groups, lr=args.learning_rate)
+    return torch.optim.AdamW(param_groups, lr=args.learning_rate, betas=(0.9, 0.95))
 
 
 def make_scheduler(optimizer, args, min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
