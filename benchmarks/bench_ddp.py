@@ -8,6 +8,7 @@ benchmarks/results/ddp.json. Takes ~10 minutes on a 2-core machine.
 Throughput is tokens over training-step time (data loading included; evaluation, start-up and
 the first 20 steps left out), the same measurement for both recipes.
 """
+
 import argparse
 import json
 import os
@@ -29,7 +30,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_DATASETS_OFFLINE": "1"}
+ENV = {
+    **os.environ,
+    "GLOO_SOCKET_IFNAME": "lo",
+    "OMP_NUM_THREADS": "1",
+    "TQDM_DISABLE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+}
 
 
 def accelerate_launch(nproc: int, script: str, args: list[str]) -> float:
@@ -37,8 +44,19 @@ def accelerate_launch(nproc: int, script: str, args: list[str]) -> float:
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_multi.yaml",
-               "--num_processes", str(nproc), "--main_process_port", str(free_port()), script, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "accelerate_configs/cpu_multi.yaml",
+            "--num_processes",
+            str(nproc),
+            "--main_process_port",
+            str(free_port()),
+            script,
+            *args,
+        ]
     start = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - start
@@ -53,15 +71,44 @@ def steady_tokens_per_sec(metrics_file: Path, skip_steps: int = 20) -> float:
 
 def train_ddp_speed(tmp: Path, nproc: int, steps: int, tag: str) -> float:
     out = tmp / tag
-    accelerate_launch(nproc, "scripts/train_ddp.py", ["--max_steps", str(steps), "--eval_every", "0", "--batch_size", "64",
-                                                      "--log_every", "10", "--output_dir", str(out), "--overwrite_output_dir"])
+    accelerate_launch(
+        nproc,
+        "scripts/train_ddp.py",
+        [
+            "--max_steps",
+            str(steps),
+            "--eval_every",
+            "0",
+            "--batch_size",
+            "64",
+            "--log_every",
+            "10",
+            "--output_dir",
+            str(out),
+            "--overwrite_output_dir",
+        ],
+    )
     return steady_tokens_per_sec(out / "metrics.jsonl")
 
 
 def plain_ddp_speed(tmp: Path, steps: int, tag: str) -> float:
     out = tmp / f"{tag}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "benchmarks/plain_ddp.py", "--max_steps", str(steps), "--batch_size", "64", "--output_file", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "benchmarks/plain_ddp.py",
+        "--max_steps",
+        str(steps),
+        "--batch_size",
+        "64",
+        "--output_file",
+        str(out),
+    ]
     subprocess.run(cmd, cwd=REPO, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads(out.read_text())["tokens_per_sec"]
 
@@ -79,8 +126,12 @@ def main():
         wall = accelerate_launch(2, "scripts/train_ddp.py", ["--eval_every", "50", "--output_dir", str(out)])
         evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
         first = next((e for e in evals if e["exact_match"] >= 0.95), None)
-        results["main_job"] = {"wall_clock_s": round(wall, 1), "final_exact_match": evals[-1]["exact_match"],
-                               "step_reaching_95pct": first and first["step"], "in_run_s_to_95pct": first and first["elapsed_s"]}
+        results["main_job"] = {
+            "wall_clock_s": round(wall, 1),
+            "final_exact_match": evals[-1]["exact_match"],
+            "step_reaching_95pct": first and first["step"],
+            "in_run_s_to_95pct": first and first["elapsed_s"],
+        }
         print("main job:", results["main_job"], flush=True)
         # 2. and 3. Speed, interleaved so that machine noise hits every recipe alike.
         speeds = {"train_ddp_1proc": [], "train_ddp_2proc": [], "plain_ddp_2proc": []}

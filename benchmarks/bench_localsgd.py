@@ -6,6 +6,7 @@ table, writes benchmarks/results/localsgd.json and, where matplotlib is installe
 
     python benchmarks/bench_localsgd.py [--ks 1 4 16] [--steps 1500]
 """
+
 import argparse
 import json
 import os
@@ -17,7 +18,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_DATASETS_OFFLINE": "1"}
+ENV = {
+    **os.environ,
+    "GLOO_SOCKET_IFNAME": "lo",
+    "OMP_NUM_THREADS": "1",
+    "TQDM_DISABLE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+}
 
 
 def free_port() -> int:
@@ -27,8 +34,21 @@ def free_port() -> int:
 
 
 def run(script: str, out: Path, extra: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_multi.yaml",
-           "--main_process_port", str(free_port()), script, "--eval_every", "100", "--output_dir", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "accelerate_configs/cpu_multi.yaml",
+        "--main_process_port",
+        str(free_port()),
+        script,
+        "--eval_every",
+        "100",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     subprocess.run(cmd, cwd=REPO, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -45,29 +65,50 @@ def main():
         return
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [("DDP", "scripts/train_ddp.py", [])] + [(f"Local SGD K={k}", "scripts/train_localsgd.py", ["--sync_every", str(k)]) for k in args.ks]
+        runs = [("DDP", "scripts/train_ddp.py", [])] + [
+            (f"Local SGD K={k}", "scripts/train_localsgd.py", ["--sync_every", str(k)]) for k in args.ks
+        ]
         for name, script, extra in runs:
-            records = run(script, Path(tmp) / name.replace(" ", "_").replace("=", ""), ["--max_steps", str(args.steps), *extra])
+            records = run(
+                script, Path(tmp) / name.replace(" ", "_").replace("=", ""), ["--max_steps", str(args.steps), *extra]
+            )
             evals = [r for r in records if r["type"] == "eval"]
             final, summary = evals[-1], records[-1]
-            per_step = summary.get("allreduce_mib_per_step_per_rank", summary.get("gradient_allreduce_mib_per_step_per_rank"))
-            rows.append({"run": name, "final_eval_loss": final["eval_loss"], "final_exact_match": final["exact_match"],
-                         "allreduce_mib_per_step_per_rank": per_step, "tokens_per_sec": summary["tokens_per_sec"]})
+            per_step = summary.get(
+                "allreduce_mib_per_step_per_rank", summary.get("gradient_allreduce_mib_per_step_per_rank")
+            )
+            rows.append(
+                {
+                    "run": name,
+                    "final_eval_loss": final["eval_loss"],
+                    "final_exact_match": final["exact_match"],
+                    "allreduce_mib_per_step_per_rank": per_step,
+                    "tokens_per_sec": summary["tokens_per_sec"],
+                }
+            )
             curves[name] = [(e["step"], e["eval_loss"], e["exact_match"]) for e in evals]
             print(rows[-1], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "localsgd.json").write_text(json.dumps({"steps": args.steps, "rows": rows, "curves": curves}, indent=1) + "\n")
+    (RESULTS / "localsgd.json").write_text(
+        json.dumps({"steps": args.steps, "rows": rows, "curves": curves}, indent=1) + "\n"
+    )
     report(rows, curves)
 
 
 def report(rows: list[dict], curves: dict) -> None:
-    print("| run | all-reduce MiB / step / rank | tokens/s | eval loss @ 500 | exact match @ 500 | @ 800 | first step ≥ 95% | final eval loss | final exact match |")
+    print(
+        "| run | all-reduce MiB / step / rank | tokens/s | eval loss @ 500 | exact match @ 500 | @ 800 "
+        "| first step ≥ 95% | final eval loss | final exact match |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         at = {step: (loss, em) for step, loss, em in curves[r["run"]]}
         first95 = next((step for step, _, em in curves[r["run"]] if em >= 0.95), None)
-        print(f"| {r['run']} | {r['allreduce_mib_per_step_per_rank']:.3f} | {r['tokens_per_sec']:.0f} | {at[500][0]:.3f} | {at[500][1]:.3f} | "
-              f"{at[800][1]:.3f} | {first95} | {r['final_eval_loss']:.1e} | {r['final_exact_match']:.3f} |")
+        print(
+            f"| {r['run']} | {r['allreduce_mib_per_step_per_rank']:.3f} | {r['tokens_per_sec']:.0f} "
+            f"| {at[500][0]:.3f} | {at[500][1]:.3f} | {at[800][1]:.3f} "
+            f"| {first95} | {r['final_eval_loss']:.1e} | {r['final_exact_match']:.3f} |"
+        )
     try:
         import matplotlib
 

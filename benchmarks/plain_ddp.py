@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""The seed tutorial's data-parallel recipe in plain PyTorch: no Accelerate.
+"""The usual data-parallel recipe in plain PyTorch: no Accelerate.
 
 torchrun starts the processes; init_process_group, DistributedSampler + set_epoch,
 DistributedDataParallel, mean loss per batch, rank-0 printing. Same model
 (scripts/common/model.py), optimizer and data (addition) as scripts/train_ddp.py, so
 benchmarks/bench_ddp.py can compare their speed. A baseline, not a recipe to copy: its
-per-batch mean loss is not the global-batch loss when target counts differ (see README).
+per-batch mean loss is not the global-batch loss when target counts differ
+(docs/troubleshooting.md, "Loss normalised per micro-batch").
 
     torchrun --nproc_per_node 2 benchmarks/plain_ddp.py --max_steps 300
 """
+
 import argparse
 import json
 import os
@@ -18,13 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from common.data import DEFAULT_CACHE_DIR, _encode_addition, build_addition  # noqa: E402
-from common.model import GPT, GPTConfig, cross_entropy_sum  # noqa: E402
+from common.data import DEFAULT_CACHE_DIR, _encode_addition, build_addition
+from common.model import GPT, GPTConfig, cross_entropy_sum
 
 
 def main():
@@ -77,7 +79,13 @@ def main():
                 break
         epoch += 1
     if rank == 0:
-        figures = {"recipe": "plain_ddp", "world_size": world_size, "steps": step, "tokens_per_sec": round(timed_tokens / timed_seconds, 1), "last_loss": loss.item()}
+        figures = {
+            "recipe": "plain_ddp",
+            "world_size": world_size,
+            "steps": step,
+            "tokens_per_sec": round(timed_tokens / timed_seconds, 1),
+            "last_loss": loss.item(),
+        }
         print(json.dumps(figures))
         if args.output_file:
             Path(args.output_file).write_text(json.dumps(figures) + "\n")

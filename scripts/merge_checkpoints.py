@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Model fusion: average N saved models into one (the seed tutorial's "train apart, then average").
+"""Model fusion: average N saved models into one ("train apart, then average").
 
     python scripts/merge_checkpoints.py runs/a/model runs/b/model --out runs/fused/model
     python scripts/merge_checkpoints.py runs/a/model runs/b/model --weights 0.75 0.25 --out runs/fused/model

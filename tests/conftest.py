@@ -3,6 +3,7 @@
 Every launch gets a free port, loopback networking, one thread per process, a timeout, and
 its whole process group killed if it overruns, so a hung test cannot leave ranks behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,9 @@ def free_port() -> int:
 def job_env(**extra) -> dict:
     env = dict(os.environ)
     env.update(
-        GLOO_SOCKET_IFNAME="lo",  # gloo would otherwise pick an interface itself (pitfall 8)
+        # gloo would otherwise pick an interface itself
+        # (docs/troubleshooting.md, "Gloo picks the wrong network interface")
+        GLOO_SOCKET_IFNAME="lo",
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
@@ -60,7 +63,15 @@ def kill_tree(pid: int) -> None:
 
 def run_cmd(cmd: list[str], timeout: float = LAUNCH_TIMEOUT, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command in its own session; on timeout kill every process it started."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env or job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env or job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -75,14 +86,29 @@ def launch_cmd(script: str, args: list[str], nproc: int = 1) -> list[str]:
     path = str(SCRIPTS / script)
     if nproc == 1:
         return [sys.executable, path, *args]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_MULTI),
-            "--num_processes", str(nproc), "--main_process_port", str(free_port()), path, *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CPU_MULTI),
+        "--num_processes",
+        str(nproc),
+        "--main_process_port",
+        str(free_port()),
+        path,
+        *args,
+    ]
 
 
-def launch(script: str, args: list[str], nproc: int = 1, check: bool = True, timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
+def launch(
+    script: str, args: list[str], nproc: int = 1, check: bool = True, timeout: float = LAUNCH_TIMEOUT
+) -> subprocess.CompletedProcess:
     result = run_cmd(launch_cmd(script, args, nproc), timeout=timeout)
     if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}: {' '.join(result.args)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(
+            f"exit {result.returncode}: {' '.join(result.args)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 
@@ -98,7 +124,9 @@ def assert_same_losses(a: dict, b: dict, steps, tol: float) -> None:
     missing = [s for s in steps if s not in a or s not in b]
     assert not missing, f"steps missing from metrics: {missing}"
     worst = max(steps, key=lambda s: abs(a[s] - b[s]))
-    assert abs(a[worst] - b[worst]) <= tol, f"step {worst}: {a[worst]} vs {b[worst]} (|diff| {abs(a[worst] - b[worst]):.3g} > {tol})"
+    assert abs(a[worst] - b[worst]) <= tol, (
+        f"step {worst}: {a[worst]} vs {b[worst]} (|diff| {abs(a[worst] - b[worst]):.3g} > {tol})"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -149,13 +177,31 @@ def assert_layout(output_dir, **degrees) -> None:
     assert layouts and all(all(layout[k] == v for k, v in degrees.items()) for layout in layouts), layouts[:1]
 
 
-def resume_matches(script: str, flags: list[str], nproc: int, out: Path, straight: Path, resume_script: str | None = None,
-                   resume_flags: list[str] | None = None, resume_nproc: int | None = None, stop: int = 10, tol: float = 1e-6) -> None:
+def resume_matches(
+    script: str,
+    flags: list[str],
+    nproc: int,
+    out: Path,
+    straight: Path,
+    resume_script: str | None = None,
+    resume_flags: list[str] | None = None,
+    resume_nproc: int | None = None,
+    stop: int = 10,
+    tol: float = 1e-6,
+) -> None:
     """Stop a run at `stop` with a checkpoint, continue it (possibly under another script/layout),
     and check the continued steps against the uninterrupted run `straight`."""
-    launch(script, [*flags, "--output_dir", str(out), "--stop_at_step", str(stop), "--checkpoint_every", str(stop)], nproc=nproc)
+    launch(
+        script,
+        [*flags, "--output_dir", str(out), "--stop_at_step", str(stop), "--checkpoint_every", str(stop)],
+        nproc=nproc,
+    )
     assert (out / "checkpoints" / f"step_{stop}").is_dir() and not (out / "model").exists()
-    launch(resume_script or script, [*(resume_flags or flags), "--output_dir", str(out), "--resume_from_checkpoint", "latest"], nproc=resume_nproc or nproc)
+    launch(
+        resume_script or script,
+        [*(resume_flags or flags), "--output_dir", str(out), "--resume_from_checkpoint", "latest"],
+        nproc=resume_nproc or nproc,
+    )
     a, b = train_losses(straight), train_losses(out)
     last = max(a)
     assert sorted(b) == list(range(1, last + 1)), "the resumed run must append its steps to the same metrics.jsonl"
@@ -168,7 +214,9 @@ def evaluate_matches_in_run_eval(run_dir: Path, tmp_path: Path, batch_size: str 
     import json as _json
 
     out = tmp_path / "eval.json"
-    launch("evaluate.py", ["--model_dir", str(run_dir / "model"), "--batch_size", batch_size, "--output_file", str(out)])
+    launch(
+        "evaluate.py", ["--model_dir", str(run_dir / "model"), "--batch_size", batch_size, "--output_file", str(out)]
+    )
     result, final = _json.loads(out.read_text()), evals(run_dir)[-1]
     assert result["num_samples"] == final["num_samples"] == 1000
     assert abs(result["eval_loss"] - final["eval_loss"]) < 1e-5 and result["exact_match"] == final["exact_match"]

@@ -1,10 +1,13 @@
 """Bad input: one clear line naming the problem, exit != 0, nothing overwritten."""
+
 import hashlib
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY, job_env, launch, launch_cmd, run_cmd
+
+from conftest import SCRIPTS, TINY, free_port, job_env, launch, launch_cmd, run_cmd
 
 
 def tree_digest(root: Path) -> str:
@@ -21,7 +24,9 @@ def assert_refused(result, *needles: str) -> None:
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result.stderr[-3000:]
     # no traceback out of our code (a multi-process launch adds torchrun's own report of the exit code)
-    assert not [line for line in result.stderr.splitlines() if line.strip().startswith("File") and "/scripts/" in line], result.stderr[-3000:]
+    assert not [
+        line for line in result.stderr.splitlines() if line.strip().startswith("File") and "/scripts/" in line
+    ], result.stderr[-3000:]
     for needle in needles:
         assert needle in errors[0], errors[0]
 
@@ -30,7 +35,22 @@ def assert_refused(result, *needles: str) -> None:
 def finished_run(tmp_path_factory, data_cache):
     """A short run with checkpoints at steps 2 and 4 and a final model."""
     out = tmp_path_factory.mktemp("bad_input") / "run"
-    launch("train_ddp.py", [*TINY, "--max_steps", "4", "--checkpoint_every", "2", "--keep_last", "0", "--data_cache_dir", data_cache, "--output_dir", str(out)])
+    launch(
+        "train_ddp.py",
+        [
+            *TINY,
+            "--max_steps",
+            "4",
+            "--checkpoint_every",
+            "2",
+            "--keep_last",
+            "0",
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(out),
+        ],
+    )
     return out
 
 
@@ -49,31 +69,107 @@ def finished_run(tmp_path_factory, data_cache):
 )
 def test_refused_before_any_work(flags, needles, tmp_path, data_cache):
     out = tmp_path / "run"
-    result = launch("train_ddp.py", [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out), *flags], check=False)
+    result = launch(
+        "train_ddp.py",
+        [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out), *flags],
+        check=False,
+    )
     assert_refused(result, *needles)
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
 
 
+def test_unreachable_hub_is_one_line_naming_the_fixes(tmp_path, data_cache):
+    """No network and no HF_HUB_OFFLINE=1: refused at once (not after datasets' ~25 s of retries)."""
+    env = job_env(HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(var, None)
+    out = tmp_path / "run"
+    flags = [*TINY, "--dataset_name", "karpathy/tiny_shakespeare", "--data_cache_dir", data_cache]
+    result = run_cmd(launch_cmd("train_ddp.py", [*flags, "--output_dir", str(out)]), env=env, timeout=120)
+    fixes = ["HF_HUB_OFFLINE=1", "a local folder as --dataset_name", "--train_file"]
+    assert_refused(
+        result, "--dataset_name karpathy/tiny_shakespeare: no such local folder", "cannot be reached", *fixes
+    )
+    assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
+
+
+@pytest.mark.parametrize("script", ["evaluate.py", "merge_checkpoints.py"])
+def test_help_states_each_default_once(script):
+    """No "(default: None)": a flag without a default says in its help what happens without it."""
+    result = run_cmd([sys.executable, str(SCRIPTS / script), "--help"], env=job_env(COLUMNS="200"), timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = " ".join(result.stdout.split())
+    assert "(default: None)" not in text, text
+    if script == "evaluate.py":  # the data set comes from the model, not from --dataset's training default
+        assert "(default: addition)" not in text and "evaluation batch per process (default: 250)" in text
+        assert "(default: the data set the model was trained on, from --model_dir's data.json)" in text
+    else:
+        assert text.count("(default: uniform)") == 1
+
+
 def test_bad_data_on_two_processes_fails_fast(tmp_path, data_cache):
     """Every rank meets the error, none is left waiting at a barrier for the others."""
-    result = launch("train_ddp.py", [*TINY, "--dataset_name", str(tmp_path / "nowhere"), "--data_cache_dir", data_cache,
-                                     "--output_dir", str(tmp_path / "run")], nproc=2, check=False, timeout=120)
+    result = launch(
+        "train_ddp.py",
+        [
+            *TINY,
+            "--dataset_name",
+            str(tmp_path / "nowhere"),
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+        nproc=2,
+        check=False,
+        timeout=120,
+    )
     assert_refused(result, "could not load --dataset_name")
 
 
 def test_block_size_longer_than_the_data(tmp_path, data_cache):
     text = tmp_path / "small.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 3)  # 81 bytes
-    result = launch("train_ddp.py", [*TINY, "--train_file", str(text), "--validation_file", str(text), "--block_size", "128",
-                                     "--data_cache_dir", data_cache, "--output_dir", str(tmp_path / "run")], check=False)
+    result = launch(
+        "train_ddp.py",
+        [
+            *TINY,
+            "--train_file",
+            str(text),
+            "--validation_file",
+            str(text),
+            "--block_size",
+            "128",
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+        check=False,
+    )
     assert_refused(result, "--block_size 128 is longer than the train split allows (81 bytes")
 
 
 def test_fewer_samples_than_one_global_batch(tmp_path, data_cache):
     text = tmp_path / "small.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 30)
-    result = launch("train_ddp.py", [*TINY, "--train_file", str(text), "--validation_file", str(text), "--block_size", "16",
-                                     "--data_cache_dir", data_cache, "--output_dir", str(tmp_path / "run")], check=False)
+    result = launch(
+        "train_ddp.py",
+        [
+            *TINY,
+            "--train_file",
+            str(text),
+            "--validation_file",
+            str(text),
+            "--block_size",
+            "16",
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+        check=False,
+    )
     assert_refused(result, "fewer than one global batch (64)", "--batch_size")
 
 
@@ -81,30 +177,79 @@ def test_block_size_longer_than_the_validation_data(tmp_path, data_cache):
     train, val = tmp_path / "train.txt", tmp_path / "val.txt"
     train.write_text("x = 1\n" * 2000)
     val.write_text("y = 2\n")
-    result = launch("train_ddp.py", [*TINY, "--train_file", str(train), "--validation_file", str(val), "--block_size", "32",
-                                     "--data_cache_dir", data_cache, "--output_dir", str(tmp_path / "run")], check=False)
+    result = launch(
+        "train_ddp.py",
+        [
+            *TINY,
+            "--train_file",
+            str(train),
+            "--validation_file",
+            str(val),
+            "--block_size",
+            "32",
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+        check=False,
+    )
     assert_refused(result, "--block_size 32 is longer than the validation split allows")
 
 
 def test_new_run_does_not_overwrite_an_old_one(finished_run, data_cache):
     before = tree_digest(finished_run)
-    result = launch("train_ddp.py", [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(finished_run)], check=False)
+    result = launch(
+        "train_ddp.py",
+        [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(finished_run)],
+        check=False,
+    )
     assert_refused(result, "already holds a run", "--overwrite_output_dir")
     assert tree_digest(finished_run) == before
 
 
 def test_resume_with_another_model_size_is_refused(finished_run, data_cache):
     before = tree_digest(finished_run)
-    result = launch("train_ddp.py", [*TINY, "--n_layer", "3", "--max_steps", "6", "--data_cache_dir", data_cache, "--output_dir", str(finished_run),
-                                     "--resume_from_checkpoint", "latest"], check=False)
+    result = launch(
+        "train_ddp.py",
+        [
+            *TINY,
+            "--n_layer",
+            "3",
+            "--max_steps",
+            "6",
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(finished_run),
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+        check=False,
+    )
     assert_refused(result, "saved by another model", "n_layer 2 vs 3")
     assert tree_digest(finished_run) == before
 
 
 def test_resume_with_another_global_batch_is_refused(finished_run, data_cache):
     before = tree_digest(finished_run)
-    result = launch("train_ddp.py", [*TINY, "--batch_size", "32", "--max_steps", "6", "--data_cache_dir", data_cache, "--output_dir", str(finished_run),
-                                     "--resume_from_checkpoint", "latest"], check=False)
+    result = launch(
+        "train_ddp.py",
+        [
+            *TINY,
+            "--batch_size",
+            "32",
+            "--max_steps",
+            "6",
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(finished_run),
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+        check=False,
+    )
     assert_refused(result, "global batch 64, this run has 32")
     assert tree_digest(finished_run) == before
 
@@ -124,7 +269,21 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
     else:
         ckpt = run / "model"
     before = tree_digest(run)
-    result = launch("train_ddp.py", [*TINY, "--max_steps", "6", "--data_cache_dir", data_cache, "--output_dir", str(run), "--resume_from_checkpoint", str(ckpt)], check=False)
+    result = launch(
+        "train_ddp.py",
+        [
+            *TINY,
+            "--max_steps",
+            "6",
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(run),
+            "--resume_from_checkpoint",
+            str(ckpt),
+        ],
+        check=False,
+    )
     assert_refused(result, f"--resume_from_checkpoint {ckpt}")
     assert tree_digest(run) == before
 
@@ -133,30 +292,75 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
     "script, nproc, flags, needles",
     [
         ("train_tp.py", 1, ["--tp_size", "2"], ["--tp_size 2", "does not divide the 1 processes"]),
-        ("train_tp.py", 1, ["--sequence_parallel"], ["--sequence_parallel shards over the TP group, but --tp_size is 1"]),
+        (
+            "train_tp.py",
+            1,
+            ["--sequence_parallel"],
+            ["--sequence_parallel shards over the TP group, but --tp_size is 1"],
+        ),
         ("train_tp.py", 2, ["--n_head", "1"], ["--tp_size 2 does not divide --n_head (1)"]),
-        ("train_tp.py", 2, ["--sequence_parallel"], ["--sequence_parallel splits the 13-token sequence over --tp_size 2", "--addition_digits"]),
-        ("train_pp.py", 1, ["--schedule", "gpipe", "--stages_per_rank", "2"], ["--stages_per_rank 2: --schedule gpipe runs one stage per rank"]),
+        (
+            "train_tp.py",
+            2,
+            ["--sequence_parallel"],
+            ["--sequence_parallel splits the 13-token sequence over --tp_size 2", "--addition_digits"],
+        ),
+        (
+            "train_pp.py",
+            1,
+            ["--schedule", "gpipe", "--stages_per_rank", "2"],
+            ["--stages_per_rank 2: --schedule gpipe runs one stage per rank"],
+        ),
         ("train_pp.py", 1, ["--schedule", "dualpipe"], ["--schedule 'dualpipe' is not supported"]),
-        ("train_pp.py", 2, ["--n_layer", "1"], ["--pp_size 2 x --stages_per_rank 1 = 2 stages, but the model has 1 layers"]),
-        ("train_pp.py", 2, ["--batch_size", "6", "--n_microbatches", "4"], ["--batch_size 6 cannot be split into --n_microbatches 4"]),
-        ("train_pp.py", 2, ["--schedule", "1f1b", "--n_microbatches", "1", "--batch_size", "4"], ["--n_microbatches 1 is fewer than the 2 pipeline ranks"]),
+        (
+            "train_pp.py",
+            2,
+            ["--n_layer", "1"],
+            ["--pp_size 2 x --stages_per_rank 1 = 2 stages, but the model has 1 layers"],
+        ),
+        (
+            "train_pp.py",
+            2,
+            ["--batch_size", "6", "--n_microbatches", "4"],
+            ["--batch_size 6 cannot be split into --n_microbatches 4"],
+        ),
+        (
+            "train_pp.py",
+            2,
+            ["--schedule", "1f1b", "--n_microbatches", "1", "--batch_size", "4"],
+            ["--n_microbatches 1 is fewer than the 2 pipeline ranks"],
+        ),
         ("train_fsdp.py", 1, ["--cpu_offload"], ["--cpu_offload", "already on the CPU"]),
         ("train_hybrid.py", 1, ["--tp_size", "2", "--dp_shard", "1"], ["= 2, but 1 processes were started"]),
-        ("train_hybrid.py", 1, ["--tp_size", "-1", "--dp_shard", "-1"], ["only one of --dp_shard, --tp_size may be -1"]),
+        (
+            "train_hybrid.py",
+            1,
+            ["--tp_size", "-1", "--dp_shard", "-1"],
+            ["only one of --dp_shard, --tp_size may be -1"],
+        ),
         ("train_hybrid.py", 2, ["--tp_size", "2", "--n_head", "1"], ["--tp_size 2 does not divide --n_head (1)"]),
     ],
 )
 def test_sharded_scripts_refuse_before_any_work(script, nproc, flags, needles, tmp_path, data_cache):
     out = tmp_path / "run"
-    result = launch(script, [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out), *flags], nproc=nproc, check=False, timeout=120)
+    result = launch(
+        script,
+        [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out), *flags],
+        nproc=nproc,
+        check=False,
+        timeout=120,
+    )
     assert_refused(result, *needles)
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
 
 
 def test_sharded_script_refuses_an_accelerate_fsdp_launch(tmp_path, data_cache):
-    """On CPU Accelerate would silently drop its FSDP plugin (pitfall 3); FSDP2 is applied by the script."""
+    """On CPU Accelerate would silently drop its FSDP plugin (docs/troubleshooting.md, "Accelerate's
+    FSDP config is ignored on CPU"); FSDP2 is applied by the script."""
     out = tmp_path / "run"
-    result = run_cmd(launch_cmd("train_fsdp.py", [*TINY, "--data_cache_dir", data_cache, "--output_dir", str(out)]), env=job_env(ACCELERATE_USE_FSDP="true"))
+    result = run_cmd(
+        launch_cmd("train_fsdp.py", [*TINY, "--data_cache_dir", data_cache, "--output_dir", str(out)]),
+        env=job_env(ACCELERATE_USE_FSDP="true"),
+    )
     assert_refused(result, "also asked Accelerate for FSDP")
     assert not out.exists()

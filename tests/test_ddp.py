@@ -1,4 +1,5 @@
 """train_ddp.py against the single-process reference: real multi-process CPU launches (gloo)."""
+
 import json
 import subprocess
 import sys
@@ -6,7 +7,19 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, TINY, assert_same_losses, free_port, job_env, kill_tree, launch, read_metrics, run_cmd, train_losses
+
+from conftest import (
+    REPO,
+    TINY,
+    assert_same_losses,
+    free_port,
+    job_env,
+    kill_tree,
+    launch,
+    read_metrics,
+    run_cmd,
+    train_losses,
+)
 
 STEPS = list(range(1, 21))
 
@@ -14,13 +27,28 @@ STEPS = list(range(1, 21))
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
     """Global batch 16 for 20 steps on 3-digit addition, three ways. Answers have 2 to 5 target
-    tokens, so ranks and micro-batches hold unequal target counts (CONVENTIONS pitfall 10)."""
+    tokens, so ranks and micro-batches hold unequal target counts (docs/troubleshooting.md, "Loss
+    normalised per micro-batch")."""
     root = tmp_path_factory.mktemp("ddp")
-    common = [*TINY, "--max_steps", "20", "--data_cache_dir", data_cache, "--eval_every", "10", "--eval_batch_size", "64"]
+    common = [
+        *TINY,
+        "--max_steps",
+        "20",
+        "--data_cache_dir",
+        data_cache,
+        "--eval_every",
+        "10",
+        "--eval_batch_size",
+        "64",
+    ]
     out = {name: root / name for name in ("one", "two", "two_accum")}
     launch("train_ddp.py", [*common, "--batch_size", "16", "--output_dir", str(out["one"])], nproc=1)
     launch("train_ddp.py", [*common, "--batch_size", "8", "--output_dir", str(out["two"])], nproc=2)
-    launch("train_ddp.py", [*common, "--batch_size", "4", "--gradient_accumulation_steps", "2", "--output_dir", str(out["two_accum"])], nproc=2)
+    launch(
+        "train_ddp.py",
+        [*common, "--batch_size", "4", "--gradient_accumulation_steps", "2", "--output_dir", str(out["two_accum"])],
+        nproc=2,
+    )
     return out
 
 
@@ -50,7 +78,11 @@ def test_evaluate_counts_each_sample_once(runs, nproc, tmp_path):
     """1000 validation samples, batch 64: neither 2 x 64 nor 3 processes divide it."""
     final = [r for r in read_metrics(runs["two"]) if r["type"] == "eval"][-1]
     out = tmp_path / "eval.json"
-    launch("evaluate.py", ["--model_dir", str(runs["two"] / "model"), "--batch_size", "64", "--output_file", str(out)], nproc=nproc)
+    launch(
+        "evaluate.py",
+        ["--model_dir", str(runs["two"] / "model"), "--batch_size", "64", "--output_file", str(out)],
+        nproc=nproc,
+    )
     result = json.loads(out.read_text())
     assert result["num_samples"] == 1000
     assert abs(result["eval_loss"] - final["eval_loss"]) < 1e-5
@@ -61,7 +93,21 @@ def test_resume_is_exact(tmp_path, data_cache):
     """20 steps straight vs 10, stop, resume, 10 more: on 2 processes, 1-digit addition (90 train
     samples, global batch 12: 7 steps an epoch), so the stop falls mid-epoch and the run crosses
     epochs. Warm-up ends at step 5, so the LR schedule matters too."""
-    args = [*TINY, "--max_steps", "20", "--addition_digits", "1", "--batch_size", "6", "--data_cache_dir", data_cache, "--checkpoint_every", "5", "--keep_last", "2"]
+    args = [
+        *TINY,
+        "--max_steps",
+        "20",
+        "--addition_digits",
+        "1",
+        "--batch_size",
+        "6",
+        "--data_cache_dir",
+        data_cache,
+        "--checkpoint_every",
+        "5",
+        "--keep_last",
+        "2",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch("train_ddp.py", [*args, "--output_dir", str(straight)], nproc=2)
     launch("train_ddp.py", [*args, "--output_dir", str(resumed), "--stop_at_step", "10"], nproc=2)
@@ -73,20 +119,68 @@ def test_resume_is_exact(tmp_path, data_cache):
     assert sorted(b) == STEPS, "the resumed run must append steps 11-20 to the same metrics.jsonl"
     assert_same_losses(a, b, list(range(11, 21)), tol=1e-6)
     assert max(r["epoch"] for r in read_metrics(straight) if r["type"] == "train") >= 2
-    assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if not p.name.startswith(".")) == ["step_15", "step_20"]
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if not p.name.startswith(".")) == [
+        "step_15",
+        "step_20",
+    ]
     assert (resumed / "model" / "model.safetensors").is_file()
 
 
 def test_two_machines_on_loopback_match_one_machine(runs, tmp_path, data_cache):
     """--num_machines 2, machine ranks 0 and 1, one process each, against 2 processes on one machine."""
     out, port = tmp_path / "two_machines", free_port()
-    args = [*TINY, "--max_steps", "20", "--data_cache_dir", data_cache, "--eval_every", "10", "--eval_batch_size", "64", "--batch_size", "8", "--output_dir", str(out)]
+    args = [
+        *TINY,
+        "--max_steps",
+        "20",
+        "--data_cache_dir",
+        data_cache,
+        "--eval_every",
+        "10",
+        "--eval_batch_size",
+        "64",
+        "--batch_size",
+        "8",
+        "--output_dir",
+        str(out),
+    ]
     procs = []
     for machine_rank in (0, 1):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
-               "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-               "--rdzv_backend", "static", "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py", *args]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--machine_rank",
+            str(machine_rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            "--rdzv_backend",
+            "static",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "scripts/train_ddp.py",
+            *args,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=job_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     try:
         logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -100,8 +194,25 @@ def test_two_machines_on_loopback_match_one_machine(runs, tmp_path, data_cache):
 def test_launch_that_starts_one_process_is_refused(tmp_path):
     """Pitfall 1: `accelerate launch --cpu --num_processes 2` starts ONE process: say so, don't train."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py", "--model_size", "tiny", "--output_dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "scripts/train_ddp.py",
+        "--model_size",
+        "tiny",
+        "--output_dir",
+        str(out),
+    ]
     result = run_cmd(cmd)
     assert result.returncode != 0
     assert "error: accelerate launch was asked for several processes but started only one" in result.stderr
@@ -111,9 +222,30 @@ def test_launch_that_starts_one_process_is_refused(tmp_path):
 def test_multi_gpu_launch_without_cuda_joins_one_group(tmp_path, data_cache):
     """Pitfall 2: a torchrun-style launch on a CPU-only machine must give 2 ranks of ONE run, not 2 runs."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py",
-           *TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(free_port()),
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "scripts/train_ddp.py",
+        *TINY,
+        "--max_steps",
+        "2",
+        "--data_cache_dir",
+        data_cache,
+        "--output_dir",
+        str(out),
+    ]
     result = run_cmd(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stdout and result.stdout.count("train_ddp: ") == 1
@@ -124,12 +256,54 @@ def test_frozen_peer_ends_the_run_after_the_collective_timeout(tmp_path, data_ca
     """Two machines on loopback; machine 1 freezes mid-run (SIGSTOP: its connections stay open,
     nothing answers). Machine 0 must fail once --collective_timeout (20 s) has passed, not wait forever."""
     out, port = tmp_path / "run", free_port()
-    args = [*TINY, "--max_steps", "100000", "--log_every", "5", "--data_cache_dir", data_cache, "--collective_timeout", "20", "--output_dir", str(out)]
-    procs = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
-                               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-                               "--rdzv_backend", "static", "--mixed_precision", "no", "--dynamo_backend", "no", "scripts/train_ddp.py", *args],
-                              cwd=REPO, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for rank in (0, 1)]
+    args = [
+        *TINY,
+        "--max_steps",
+        "100000",
+        "--log_every",
+        "5",
+        "--data_cache_dir",
+        data_cache,
+        "--collective_timeout",
+        "20",
+        "--output_dir",
+        str(out),
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--multi_gpu",
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                "--rdzv_backend",
+                "static",
+                "--mixed_precision",
+                "no",
+                "--dynamo_backend",
+                "no",
+                "scripts/train_ddp.py",
+                *args,
+            ],
+            cwd=REPO,
+            env=job_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
     try:
         deadline = time.monotonic() + 120
         while not ((out / "metrics.jsonl").exists() and '"train"' in (out / "metrics.jsonl").read_text()):

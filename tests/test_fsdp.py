@@ -1,22 +1,52 @@
 """train_fsdp.py: FSDP2 (fully_shard) against the single-process run; exact memory accounting."""
+
 import pytest
-from conftest import TINY, assert_layout, assert_same_evals, assert_same_losses, evaluate_matches_in_run_eval, launch, resume_matches, summary, train_losses
+
+from conftest import (
+    TINY,
+    assert_layout,
+    assert_same_evals,
+    assert_same_losses,
+    evaluate_matches_in_run_eval,
+    launch,
+    resume_matches,
+    summary,
+    train_losses,
+)
 
 FLAGS = ["--max_steps", "20", "--eval_every", "10", "--eval_batch_size", "64"]
 STEPS = list(range(1, 21))
 
 
-@pytest.mark.parametrize("nproc, batch, accum, extra", [
-    (2, 8, 1, []),
-    (2, 4, 2, ["--activation_checkpointing"]),
-    (4, 4, 1, ["--no-reshard_after_forward"]),
-    (4, 2, 2, []),
-])
+@pytest.mark.parametrize(
+    "nproc, batch, accum, extra",
+    [
+        (2, 8, 1, []),
+        (2, 4, 2, ["--activation_checkpointing"]),
+        (4, 4, 1, ["--no-reshard_after_forward"]),
+        (4, 2, 2, []),
+    ],
+)
 def test_matches_single_process(nproc, batch, accum, extra, reference, tmp_path, data_cache):
     """Global batch 16 every time; with accumulation the reduce-scatter runs once per step."""
     out = tmp_path / "fsdp"
-    launch("train_fsdp.py", [*TINY, *FLAGS, "--batch_size", str(batch), "--gradient_accumulation_steps", str(accum), *extra,
-                             "--data_cache_dir", data_cache, "--output_dir", str(out)], nproc=nproc)
+    launch(
+        "train_fsdp.py",
+        [
+            *TINY,
+            *FLAGS,
+            "--batch_size",
+            str(batch),
+            "--gradient_accumulation_steps",
+            str(accum),
+            *extra,
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(out),
+        ],
+        nproc=nproc,
+    )
     assert_layout(out, dp_shard=nproc, tp=1, pp=1)
     ref = reference(*FLAGS, "--batch_size", "16")
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
@@ -30,10 +60,28 @@ def test_memory_per_rank_is_the_zero3_ideal(nproc, tmp_path, data_cache):
     """Bytes of the local shards of parameters, gradients and Adam state, counted exactly, for
     `small`: at most 1.05 x DDP's / N."""
     out = tmp_path / "fsdp"
-    launch("train_fsdp.py", ["--model_size", "small", "--max_steps", "1", "--eval_every", "0", "--batch_size", "4",
-                             "--data_cache_dir", data_cache, "--output_dir", str(out)], nproc=nproc)
+    launch(
+        "train_fsdp.py",
+        [
+            "--model_size",
+            "small",
+            "--max_steps",
+            "1",
+            "--eval_every",
+            "0",
+            "--batch_size",
+            "4",
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(out),
+        ],
+        nproc=nproc,
+    )
     s = summary(out)
-    assert s["ideal_state_bytes_per_rank"] == pytest.approx(s["ddp_state_bytes_per_rank"]["total_bytes"] / nproc, rel=1e-6)
+    assert s["ideal_state_bytes_per_rank"] == pytest.approx(
+        s["ddp_state_bytes_per_rank"]["total_bytes"] / nproc, rel=1e-6
+    )
     assert s["state_bytes_per_rank_max"]["param_bytes"] == pytest.approx(s["unsharded_param_bytes"] / nproc, rel=0.05)
     assert 1.0 <= s["state_vs_ideal"] <= 1.05, s["state_bytes_per_rank_max"]
 
@@ -47,6 +95,13 @@ def test_resume_is_exact_and_final_model_evaluates(tmp_path, data_cache):
 
 
 def test_checkpoint_of_4_ranks_resumes_on_2(tmp_path, reference, data_cache):
-    resume_matches("train_fsdp.py", [*TINY, *FLAGS, "--batch_size", "4", "--data_cache_dir", data_cache], 4, tmp_path / "run",
-                   reference(*FLAGS, "--batch_size", "16"), resume_flags=[*TINY, *FLAGS, "--batch_size", "8", "--data_cache_dir", data_cache],
-                   resume_nproc=2, tol=1e-5)
+    resume_matches(
+        "train_fsdp.py",
+        [*TINY, *FLAGS, "--batch_size", "4", "--data_cache_dir", data_cache],
+        4,
+        tmp_path / "run",
+        reference(*FLAGS, "--batch_size", "16"),
+        resume_flags=[*TINY, *FLAGS, "--batch_size", "8", "--data_cache_dir", data_cache],
+        resume_nproc=2,
+        tol=1e-5,
+    )

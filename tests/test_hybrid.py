@@ -1,23 +1,34 @@
 """train_hybrid.py: DP x TP x PP on one device mesh, and checkpoints that move between layouts."""
+
 import pytest
+
 from conftest import TINY, assert_layout, assert_same_evals, assert_same_losses, launch, resume_matches, train_losses
 
-# 4 layers, 10 steps, global batch 16; 4-digit addition (16-token rows: sequence parallel can split them)
-FLAGS = ["--n_layer", "4", "--max_steps", "10", "--addition_digits", "4", "--eval_batch_size", "64"]  # one evaluation, at the end
+# 4 layers, 10 steps, global batch 16; 4-digit addition (16-token rows: sequence parallel can split them);
+# one evaluation, at the end
+FLAGS = ["--n_layer", "4", "--max_steps", "10", "--addition_digits", "4", "--eval_batch_size", "64"]
 STEPS = list(range(1, 11))
 
 
-@pytest.mark.parametrize("nproc, layout, extra", [
-    (4, {"dp_shard": 2, "tp": 2}, ["--batch_size", "8", "--sequence_parallel"]),                    # FSDP2 x TP2
-    (4, {"dp_replicate": 2, "dp_shard": 2}, ["--batch_size", "4"]),                                  # HSDP
-    (4, {"pp": 2, "tp": 2}, ["--batch_size", "16", "--dp_shard", "1", "--loss_parallel"]),           # PP2 x TP2
-    (8, {"pp": 2, "dp_shard": 2, "tp": 2}, ["--batch_size", "8", "--schedule", "interleaved_1f1b"]),  # PP2 x FSDP2 x TP2
-])
+@pytest.mark.parametrize(
+    "nproc, layout, extra",
+    [
+        (4, {"dp_shard": 2, "tp": 2}, ["--batch_size", "8", "--sequence_parallel"]),  # FSDP2 x TP2
+        (4, {"dp_replicate": 2, "dp_shard": 2}, ["--batch_size", "4"]),  # HSDP
+        (4, {"pp": 2, "tp": 2}, ["--batch_size", "16", "--dp_shard", "1", "--loss_parallel"]),  # PP2 x TP2
+        # PP2 x FSDP2 x TP2
+        (8, {"pp": 2, "dp_shard": 2, "tp": 2}, ["--batch_size", "8", "--schedule", "interleaved_1f1b"]),
+    ],
+)
 def test_layouts_match_single_process(nproc, layout, extra, reference, tmp_path, data_cache):
     out = tmp_path / "hybrid"
     flags = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}
     degrees = [x for k, v in layout.items() for x in (flags[k], str(v))]
-    result = launch("train_hybrid.py", [*TINY, *FLAGS, *degrees, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)], nproc=nproc)
+    result = launch(
+        "train_hybrid.py",
+        [*TINY, *FLAGS, *degrees, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)],
+        nproc=nproc,
+    )
     assert "rank   pp  dp_replicate  dp_shard  tp" in result.stdout  # the layout table
     assert_layout(out, **layout)
     ref = reference(*FLAGS, "--batch_size", "16")
@@ -29,17 +40,38 @@ def _flags(batch: int, data_cache: str, *extra: str) -> list[str]:
     return [*TINY, *FLAGS, "--batch_size", str(batch), "--data_cache_dir", data_cache, *extra]
 
 
-@pytest.mark.parametrize("name, first, then", [
-    # (script, nproc, batch, extra flags) saved at step 5 -> resumed under another script/layout
-    ("fsdp4_to_fsdp2xtp2", ("train_fsdp.py", 4, 4, []), ("train_hybrid.py", 4, 8, ["--dp_shard", "2", "--tp_size", "2"])),
-    ("3d_to_one_process", ("train_hybrid.py", 8, 8, ["--pp_size", "2", "--dp_shard", "2", "--tp_size", "2"]), ("train_ddp.py", 1, 16, [])),
-    ("tp2_to_pp2", ("train_tp.py", 2, 16, []), ("train_pp.py", 2, 16, [])),
-    ("ddp2_to_fsdp4", ("train_ddp.py", 2, 8, []), ("train_fsdp.py", 4, 4, [])),
-])
+@pytest.mark.parametrize(
+    "name, first, then",
+    [
+        # (script, nproc, batch, extra flags) saved at step 5 -> resumed under another script/layout
+        (
+            "fsdp4_to_fsdp2xtp2",
+            ("train_fsdp.py", 4, 4, []),
+            ("train_hybrid.py", 4, 8, ["--dp_shard", "2", "--tp_size", "2"]),
+        ),
+        (
+            "3d_to_one_process",
+            ("train_hybrid.py", 8, 8, ["--pp_size", "2", "--dp_shard", "2", "--tp_size", "2"]),
+            ("train_ddp.py", 1, 16, []),
+        ),
+        ("tp2_to_pp2", ("train_tp.py", 2, 16, []), ("train_pp.py", 2, 16, [])),
+        ("ddp2_to_fsdp4", ("train_ddp.py", 2, 8, []), ("train_fsdp.py", 4, 4, [])),
+    ],
+)
 def test_checkpoint_moves_between_layouts(name, first, then, reference, tmp_path, data_cache):
     """Stopped at step 5 under one layout, continued under another: the losses of the
     uninterrupted single-process run from step 6 on; the data position carries over when the
     data-parallel size changes (same global batch)."""
     (script_a, n_a, batch_a, extra_a), (script_b, n_b, batch_b, extra_b) = first, then
-    resume_matches(script_a, _flags(batch_a, data_cache, *extra_a), n_a, tmp_path / name, reference(*FLAGS, "--batch_size", "16"),
-                   resume_script=script_b, resume_flags=_flags(batch_b, data_cache, *extra_b), resume_nproc=n_b, stop=5, tol=1e-5)
+    resume_matches(
+        script_a,
+        _flags(batch_a, data_cache, *extra_a),
+        n_a,
+        tmp_path / name,
+        reference(*FLAGS, "--batch_size", "16"),
+        resume_script=script_b,
+        resume_flags=_flags(batch_b, data_cache, *extra_b),
+        resume_nproc=n_b,
+        stop=5,
+        tol=1e-5,
+    )

@@ -156,6 +156,18 @@ def assert_one_error(result, needle):
     assert result.returncode != 0 and len(errors) == 1 and needle in errors[0], result.stderr[-2000:]
 
 
+def test_merge_of_missing_rank_models_names_save_rank_models(tmp_path):
+    """rank_models/rank_N exist only if train_localsgd.py ran with --save_rank_models: say so."""
+    ranks = [tmp_path / "run" / "rank_models" / f"rank_{r}" for r in (0, 1)]
+    merge = [sys.executable, str(REPO / "scripts" / "merge_checkpoints.py"), *map(str, ranks)]
+    result = run_cmd([*merge, "--out", str(tmp_path / "fused")], timeout=120)
+    assert_one_error(result, "no model.safetensors")
+    assert (
+        "train_localsgd.py writes OUTPUT_DIR/rank_models/rank_N only when run with --save_rank_models" in result.stderr
+    )
+    assert not (tmp_path / "fused").exists()
+
+
 def test_bad_input(k4_run, tmp_path, data_cache):
     result = launch("train_localsgd.py", [*TINY, "--sync_every", "0", "--output_dir", str(tmp_path / "a")], check=False)
     assert_one_error(result, "--sync_every must be at least 1")

@@ -1,7 +1,19 @@
 """train_pp.py: pipeline parallelism (torch.distributed.pipelining), every schedule, against the
 single-process run of the same 4-layer model."""
+
 import pytest
-from conftest import TINY, assert_layout, assert_same_evals, assert_same_losses, evaluate_matches_in_run_eval, launch, resume_matches, summary, train_losses
+
+from conftest import (
+    TINY,
+    assert_layout,
+    assert_same_evals,
+    assert_same_losses,
+    evaluate_matches_in_run_eval,
+    launch,
+    resume_matches,
+    summary,
+    train_losses,
+)
 
 FLAGS = ["--n_layer", "4", "--max_steps", "20", "--batch_size", "16"]  # one evaluation, at the end
 STEPS = list(range(1, 21))
@@ -14,13 +26,20 @@ def test_matches_single_process(pp, schedule, reference, tmp_path, data_cache):
     4 stages: one layer per rank. 4 micro-batches of 4."""
     out = tmp_path / "pp"
     extra = ["--stages_per_rank", "1"] if pp == 4 else []
-    launch("train_pp.py", [*TINY, *FLAGS, "--schedule", schedule, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)], nproc=pp)
+    launch(
+        "train_pp.py",
+        [*TINY, *FLAGS, "--schedule", schedule, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)],
+        nproc=pp,
+    )
     assert_layout(out, pp=pp, dp_shard=1, tp=1)
     ref = reference(*FLAGS, "--eval_batch_size", "64")
-    assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)  # the mean over the global batch, written by rank 0
+    # the mean over the global batch, written by rank 0
+    assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
     assert_same_evals(ref, out)  # forward-only through the pipeline
     s = summary(out)
-    assert s["bubble_theory"] == pytest.approx((pp - 1) / ((2 if pp == 2 and schedule in ("interleaved_1f1b", "zero_bubble") else 1) * 4 + pp - 1), abs=1e-4)
+    assert s["bubble_theory"] == pytest.approx(
+        (pp - 1) / ((2 if pp == 2 and schedule in ("interleaved_1f1b", "zero_bubble") else 1) * 4 + pp - 1), abs=1e-4
+    )
     assert len(s["bubble_measured_per_rank"]) == pp and all(0 <= b < 1 for b in s["bubble_measured_per_rank"])
     if schedule == "gpipe":  # every stage holds all micro-batches' activations before the first backward
         assert s["max_microbatches_in_flight_per_rank"] == [4] * pp

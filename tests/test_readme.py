@@ -1,4 +1,5 @@
 """The README's commands: the test command is what CI runs, the main job runs end to end."""
+
 import re
 import shlex
 import sys
@@ -13,14 +14,28 @@ def test_ci_runs_the_readme_test_command():
     ci_command = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci_command == COMMANDS[1], "the README's second command and .ci/run must be the same"
     assert "pytest" in ci_command and "requirements-dev.txt" in ci_command
+    # the lint and format checks run first: a style error fails fast, before 10 minutes of tests
+    assert ci_command.index("ruff check .") < ci_command.index("ruff format --check .") < ci_command.index("pytest")
 
 
 def test_main_job_command_end_to_end(tmp_path, data_cache):
     main_job = COMMANDS[0].split(" && ")[-1]
     assert main_job.startswith("accelerate launch ") and "scripts/train_ddp.py" in main_job
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *shlex.split(main_job)[2:],
-           "--max_steps", "30", "--eval_every", "15", "--output_dir", str(out), "--data_cache_dir", data_cache]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *shlex.split(main_job)[2:],
+        "--max_steps",
+        "30",
+        "--eval_every",
+        "15",
+        "--output_dir",
+        str(out),
+        "--data_cache_dir",
+        data_cache,
+    ]
     result = run_cmd(cmd, env=job_env())
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(out)

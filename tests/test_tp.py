@@ -1,23 +1,51 @@
 """train_tp.py: Megatron-style tensor parallelism (DTensor), against the single-process run."""
+
 import pytest
-from conftest import TINY, assert_layout, assert_same_evals, assert_same_losses, evaluate_matches_in_run_eval, launch, resume_matches, summary, train_losses
+
+from conftest import (
+    TINY,
+    assert_layout,
+    assert_same_evals,
+    assert_same_losses,
+    evaluate_matches_in_run_eval,
+    launch,
+    resume_matches,
+    summary,
+    train_losses,
+)
 
 # 4-digit addition: 16-token rows, which 2 and 4 ranks can split for sequence parallel;
 # answers have 2 to 6 target tokens, so micro-batches hold unequal target counts.
-FLAGS = ["--max_steps", "20", "--batch_size", "16", "--addition_digits", "4", "--eval_every", "10", "--eval_batch_size", "64"]
+FLAGS = [
+    "--max_steps",
+    "20",
+    "--batch_size",
+    "16",
+    "--addition_digits",
+    "4",
+    "--eval_every",
+    "10",
+    "--eval_batch_size",
+    "64",
+]
 STEPS = list(range(1, 21))
 
 
-@pytest.mark.parametrize("nproc, extra", [
-    (2, []),
-    (2, ["--sequence_parallel"]),
-    (2, ["--loss_parallel"]),
-    (4, []),
-    (4, ["--sequence_parallel", "--loss_parallel"]),
-])
+@pytest.mark.parametrize(
+    "nproc, extra",
+    [
+        (2, []),
+        (2, ["--sequence_parallel"]),
+        (2, ["--loss_parallel"]),
+        (4, []),
+        (4, ["--sequence_parallel", "--loss_parallel"]),
+    ],
+)
 def test_matches_single_process(nproc, extra, reference, tmp_path, data_cache):
     out = tmp_path / "tp"
-    launch("train_tp.py", [*TINY, *FLAGS, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)], nproc=nproc)
+    launch(
+        "train_tp.py", [*TINY, *FLAGS, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)], nproc=nproc
+    )
     assert_layout(out, tp=nproc, dp_shard=1, pp=1)
     ref = reference(*FLAGS)
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)

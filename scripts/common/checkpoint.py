@@ -11,7 +11,7 @@
 
 A checkpoint is written to `checkpoints/.tmp_step_<N>` and renamed when complete, so an
 interrupted save never destroys the previous one. All ranks must call save/load/export:
-they are collectives (pitfall 4); only file writes that need one writer are the main
+they are collectives (docs/troubleshooting.md, "A hang when saving"); only file writes that need one writer are the main
 process's. Checkpoints and `model/` need a file system shared by all machines.
 """
 

@@ -119,7 +119,8 @@ class Layout:
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
         """What fully_shard gets: 1-D = FSDP (shard over dp_shard); 2-D = HSDP (replicate over
-        dp_replicate, shard inside each replica, pitfall 7); None = no data parallelism."""
+        dp_replicate, shard inside each replica: docs/troubleshooting.md, "fully_shard on a 2-D
+        mesh is HSDP"); None = no data parallelism."""
         if self.dp == 1:
             return None
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
