@@ -192,7 +192,8 @@ def test_two_machines_on_loopback_match_one_machine(runs, tmp_path, data_cache):
 
 
 def test_launch_that_starts_one_process_is_refused(tmp_path):
-    """Pitfall 1: `accelerate launch --cpu --num_processes 2` starts ONE process: say so, don't train."""
+    """`accelerate launch --cpu --num_processes 2` starts ONE process: say so, don't train
+    (docs/troubleshooting.md, "Only one process started")."""
     out = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -220,7 +221,8 @@ def test_launch_that_starts_one_process_is_refused(tmp_path):
 
 
 def test_multi_gpu_launch_without_cuda_joins_one_group(tmp_path, data_cache):
-    """Pitfall 2: a torchrun-style launch on a CPU-only machine must give 2 ranks of ONE run, not 2 runs."""
+    """A torchrun-style launch on a CPU-only machine must give 2 ranks of ONE run, not 2 runs
+    (docs/troubleshooting.md, "Several processes that each think they are alone")."""
     out = tmp_path / "run"
     cmd = [
         sys.executable,

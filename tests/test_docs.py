@@ -235,3 +235,11 @@ def test_nothing_refers_to_files_outside_the_repository():
                 if found:
                     hits.append(f"{rel(path)}:{number}: {word!r}")
     assert not hits, "references to files that are not in the repository:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("name", ["train_ddp", "train_fsdp", "train_tp", "train_pp", "train_hybrid", "train_localsgd"])
+def test_help_states_each_default_once(name):
+    """No "(None: ...) (default: None)": a default is shown once, and None is never shown as one."""
+    text = help_text(name)
+    assert "(default: None)" not in text and "(None:" not in text
+    assert "(default: False)" not in text  # switches are off unless given

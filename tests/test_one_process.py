@@ -3,6 +3,7 @@ and `accelerate launch --config_file accelerate_configs/cpu_single.yaml scripts/
 then trains exactly what the single-process reference trains. A sharded script needs a process
 group for its DeviceMesh, which neither way creates."""
 
+import re
 import sys
 
 import pytest
@@ -45,6 +46,10 @@ def test_one_process_runs_and_matches_the_reference(script, how, reference, tmp_
     assert records[-1]["type"] == "summary" and records[-1]["world_size"] == 1
     assert (out / "model" / "model.safetensors").is_file()
     assert "model saved to" in result.stdout
+    assert "  data addition: 100000 train / 1000 validation samples" in result.stdout  # the data set's name
+    eval_line = next(line for line in result.stdout.splitlines() if line.startswith("step 3: eval_loss"))
+    four_digits = r"step 3: eval_loss \d\.\d{1,3}, num_samples 1000, exact_match [\d.e-]{1,9}"  # 4 significant digits
+    assert re.fullmatch(four_digits, eval_line), eval_line
     assert_same_losses(train_losses(reference(*FLAGS)), train_losses(out), [1, 2, 3], tol=1e-5)
 
 

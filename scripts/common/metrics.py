@@ -173,7 +173,7 @@ class RunLog:
         lines += [
             f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters, "
             f"{model_config.n_layer} layers x {model_config.n_embd} wide",
-            f"  data {getattr(data, 'name', data.task)}: {len(data.train)} train / "
+            f"  data {data.name}: {len(data.train)} train / "
             f"{len(data.validation)} validation samples of {data.seq_len} tokens",
             f"  global batch = {args.batch_size} per data-parallel rank x {dp} dp ranks "
             f"x {args.gradient_accumulation_steps} accumulation = {self.global_batch_size} samples",
