@@ -102,3 +102,33 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, data_cache):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "already at --max_steps 2: nothing to do" in result.stdout
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
+def test_resume_auto_starts_then_resumes(tmp_path, data_cache):
+    """`--resume_from_checkpoint auto`: starts from step 0 when there is no complete checkpoint
+    (replacing what an earlier attempt wrote before its first one), resumes when there is one,
+    and says which; the result equals the uninterrupted run."""
+    args = [*TINY, "--max_steps", "6", "--batch_size", "8", "--checkpoint_every", "3", "--data_cache_dir", data_cache]
+    straight, out = tmp_path / "straight", tmp_path / "auto"
+    assert (
+        run_cmd([sys.executable, str(SCRIPTS / "train_fsdp.py"), *args, "--output_dir", str(straight)]).returncode == 0
+    )
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"type": "train", "step": 1, "loss": 9.9}\n')  # an attempt killed before step 3
+    auto = [
+        sys.executable,
+        str(SCRIPTS / "train_fsdp.py"),
+        *args,
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "auto",
+    ]
+    first = run_cmd([*auto, "--stop_at_step", "3"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "--resume_from_checkpoint auto: no complete checkpoint, starting from step 0" in first.stdout
+    second = run_cmd(auto)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"--resume_from_checkpoint auto: resuming from {out / 'checkpoints' / 'step_3'}" in second.stdout
+    assert train_losses(out) == pytest.approx(train_losses(straight), abs=1e-6)
+    assert sorted(train_losses(out)) == list(range(1, 7))

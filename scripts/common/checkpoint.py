@@ -59,6 +59,9 @@ def list_checkpoints(output_dir) -> list[Path]:
 def resolve_checkpoint(arg: str | None, output_dir) -> Path | None:
     if arg is None:
         return None
+    if arg == "auto":  # restarts and requeued jobs: resume if there is a complete checkpoint, else start
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
     if arg == "latest":
         found = list_checkpoints(output_dir)
         if not found:
@@ -151,8 +154,15 @@ def check_resume_and_output(accelerator, args, model_config: GPTConfig, global_b
                 f"{resume_path} is already at --max_steps {args.max_steps}: nothing to do "
                 "(raise --max_steps to train further)"
             )
-    prepare_output_dir(args.output_dir, resuming=resume_path is not None, overwrite=args.overwrite_output_dir)
-    if args.overwrite_output_dir and not resume_path and accelerator.is_main_process:
+    # `auto` without a checkpoint starts over: what an earlier attempt wrote before its first
+    # checkpoint is replaced, as with --overwrite_output_dir
+    fresh_auto = args.resume_from_checkpoint == "auto" and resume_path is None
+    overwrite = args.overwrite_output_dir or fresh_auto
+    prepare_output_dir(args.output_dir, resuming=resume_path is not None, overwrite=overwrite)
+    if args.resume_from_checkpoint == "auto":
+        found = f"resuming from {resume_path}" if resume_path else "no complete checkpoint, starting from step 0"
+        accelerator.print(f"--resume_from_checkpoint auto: {found}")
+    if overwrite and not resume_path and accelerator.is_main_process:
         clear_output_dir(args.output_dir)
     accelerator.wait_for_everyone()
     return resume_path

@@ -136,7 +136,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     g.add_argument("--keep_last", type=int, default=2, help="keep the newest N checkpoints (0: keep all)")
     g.add_argument(
-        "--resume_from_checkpoint", help="'latest' (newest in OUTPUT_DIR/checkpoints) or a checkpoint directory"
+        "--resume_from_checkpoint",
+        help="'latest' (newest in OUTPUT_DIR/checkpoints), 'auto' (latest if there is one, else start from step 0: "
+        "for restarts and requeued jobs), or a checkpoint directory",
     )
     g.add_argument("--report_to", default="none", help="Accelerate trackers: none | tensorboard | wandb | all ...")
     g.add_argument("--peak_flops", type=float, help="the device's peak FLOP/s, for MFU (default: known GPUs only)")
