@@ -97,7 +97,7 @@ def main():
         ],
     )
     model.train()
-    while step < min(args.max_steps, args.stop_at_step or args.max_steps):
+    while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
         log.step_start()
         # The loss is normalised by the target count of the whole global batch (all micro-batches,
         # all ranks), not by per-micro-batch means, which weight tokens unequally when counts differ.
@@ -127,7 +127,7 @@ def main():
             log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
         if log.is_eval_step(step):
             log.eval(step, evaluate(accelerator, model, eval_loader, data.task))  # gather_for_metrics inside
-        if log.is_checkpoint_step(step):
+        if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
             state = trainer_state(step, stream, args, model_config, global_batch_size, dp_size)
             # every rank writes its part (a collective)
             save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
@@ -143,6 +143,7 @@ def main():
     )  # Accelerate: all-gather
     log.summary(
         step,
+        preempted=stream.preempted,
         n_params=n_params,
         peak_memory_mb_max_rank=round(peak_mb.max().item(), 1),
         peak_memory_mb_all_ranks=round(peak_mb.sum().item(), 1),

@@ -211,7 +211,7 @@ def main():
     log.start(model_config, n_params, data, [f"{kind}; reshard after forward {reshard}", costs], resume_path, layout)
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
-    while step < min(args.max_steps, args.stop_at_step or args.max_steps):
+    while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
@@ -239,7 +239,7 @@ def main():
             result = evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
             model.train()
             log.eval(step, result)
-        if log.is_checkpoint_step(step):
+        if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
             state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
             # every rank writes its part (a collective)
             save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
@@ -249,7 +249,7 @@ def main():
     if step == args.max_steps:  # every rank: gathers the shards
         export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
-    log.summary(step, **costs)
+    log.summary(step, preempted=stream.preempted, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

@@ -138,7 +138,7 @@ def main():
         accelerator=accelerator, model=model, local_sgd_steps=args.sync_every, enabled=dp_size > 1
     ) as local_sgd:
         local_sgd.num_steps = step  # Local SGD: a resumed run fuses at the same steps as an uninterrupted one
-        while step < min(args.max_steps, args.stop_at_step or args.max_steps):
+        while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
             log.step_start()
             window, global_targets = stream.next_step()
             loss_sum = torch.zeros((), device=accelerator.device)
@@ -177,7 +177,7 @@ def main():
             if args.eval_every and step % args.eval_every == 0 and step < args.max_steps:
                 # between fusions each rank scores its shard with its own replica: a mix of the replicas
                 log.eval(step, evaluate(accelerator, model, eval_loader, data.task))
-            if log.is_checkpoint_step(step):
+            if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
                 state = trainer_state(step, stream, args, model_config, global_batch_size, dp_size)
                 # Local SGD: the replicas (and their optimizer states) differ: every rank saves its own
                 save_checkpoint(
@@ -217,6 +217,7 @@ def main():
     n_tensors = len(list(model.parameters()))
     log.summary(
         step,
+        preempted=stream.preempted,
         n_params=n_params,
         sync_every=args.sync_every,
         fusions=fusions,

@@ -457,7 +457,7 @@ def main():
     log.start(model_config, n_params, data, [pipeline_line, bubble_line, costs], resume_path, layout)
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
-    while step < min(args.max_steps, args.stop_at_step or args.max_steps):
+    while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
@@ -488,7 +488,7 @@ def main():
             )
             model.train()
             log.eval(step, result)
-        if log.is_checkpoint_step(step):
+        if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
             state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
             # every rank writes its part (a collective)
             save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
@@ -498,7 +498,7 @@ def main():
     if step == args.max_steps:  # every rank: one rank per stage sends its layers to the main process
         export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
-    log.summary(step, **costs, **pipeline.summary(args))
+    log.summary(step, preempted=stream.preempted, **costs, **pipeline.summary(args))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

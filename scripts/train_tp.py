@@ -254,7 +254,7 @@ def main():
     log.start(model_config, n_params, data, [tp_line, megatron_line, costs], resume_path, layout)
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
-    while step < min(args.max_steps, args.stop_at_step or args.max_steps):
+    while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
         with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
@@ -282,7 +282,7 @@ def main():
             result = evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
             model.train()
             log.eval(step, result)
-        if log.is_checkpoint_step(step):
+        if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
             state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
             # every rank writes its part (a collective)
             save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
@@ -294,6 +294,7 @@ def main():
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
     log.summary(
         step,
+        preempted=stream.preempted,
         **costs,
         megatron_allreduce_mib_each=round(megatron_mib, 4),
         megatron_allreduces_per_step=4 * model_config.n_layer * args.gradient_accumulation_steps,

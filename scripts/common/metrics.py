@@ -249,9 +249,11 @@ class RunLog:
     def elapsed(self) -> float:
         return round(time.perf_counter() - self.run_start, 2)
 
-    def summary(self, step: int, **figures) -> dict:
+    def summary(self, step: int, preempted: bool = False, **figures) -> dict:
         """The run's last record; prints it with where the model (or the checkpoint) is."""
         self.bar.close()
+        if preempted:
+            figures["preempted"] = True
         summary = {
             "type": "summary",
             "steps": step - self.start_step,
@@ -265,6 +267,8 @@ class RunLog:
         self.metrics.write(summary)
         if step == self.args.max_steps:
             saved = f"model saved to {Path(self.args.output_dir) / 'model'}"
+        elif preempted:
+            saved = f"preempted at step {step}: resume with --resume_from_checkpoint auto"
         else:
             saved = f"stopped at step {step}: continue with --resume_from_checkpoint latest"
         self.accelerator.print(f"done: {summary}\n{saved}; metrics in {self.metrics.path}")

@@ -5,6 +5,8 @@ micro-batches with a resumable, layout-free data position."""
 from __future__ import annotations
 
 import math
+import signal
+import threading
 from collections import defaultdict
 
 import torch
@@ -97,6 +99,15 @@ class TrainStream:
         self.samples_per_epoch = len(sampler)  # a whole number of global batches
         self.dp_group = dp_group  # None: all processes are data-parallel ranks
         self.count_over_ranks = count_over_ranks  # False: this rank's own count, no communication
+        # Preemption: SIGTERM (what SLURM and Kubernetes send before they kill a job) or Ctrl-C on
+        # any rank asks the run to stop. The request travels with the next step's target count, so
+        # every rank learns it at the same step and they all stop there, after a checkpoint.
+        self.stop_requested = self.preempted = False
+        self._old_handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            self._old_handlers = {
+                sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)
+            }
         self._batches = self._iterate()
         self._next = self._fetch()
 
@@ -114,24 +125,30 @@ class TrainStream:
             yield from loader
             epoch, skip_samples = epoch + 1, 0
 
+    def _request_stop(self, signum, frame) -> None:
+        if self.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.stop_requested = True
+
     def _fetch(self):
         window = [next(self._batches) for _ in range(self.grad_accum)]
         count = sum((mb["labels"][:, 1:] != -100).sum() for mb in window).float()
-        work = None
-        if (
-            self.count_over_ranks
-            and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size(self.dp_group) > 1
-        ):
-            work = torch.distributed.all_reduce(count, group=self.dp_group, async_op=True)
-        return window, count, work
+        stop = torch.tensor([float(self.stop_requested)], device=count.device)
+        works = []
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        if distributed and self.count_over_ranks and torch.distributed.get_world_size(self.dp_group) > 1:
+            works.append(torch.distributed.all_reduce(count, group=self.dp_group, async_op=True))
+        if distributed:  # over every rank: all of them must stop at the same step
+            works.append(torch.distributed.all_reduce(stop, async_op=True))
+        return window, count, stop, works
 
     def next_step(self) -> tuple[list, torch.Tensor]:
         """This rank's micro-batches of the next optimizer step, and the target count of the global
         batch (of this rank's part with count_over_ranks=False)."""
-        window, count, work = self._next
-        if work is not None:
+        window, count, stop, works = self._next
+        for work in works:
             work.wait()
+        self.preempted = bool(stop.item() > 0)  # the same on every rank: this is the last step
         self._next = self._fetch()  # the next step's count travels while this step computes
         self.samples_in_epoch += self.global_batch_size
         if self.samples_in_epoch == self.samples_per_epoch:
@@ -139,9 +156,12 @@ class TrainStream:
         return window, count
 
     def close(self) -> None:
-        """Let the count started for the step after the last one finish (before teardown)."""
-        if self._next[2] is not None:
-            self._next[2].wait()
+        """Let the count started for the step after the last one finish (before teardown), and give
+        SIGTERM and SIGINT their handlers back."""
+        for work in self._next[3]:
+            work.wait()
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch}
