@@ -12,53 +12,22 @@ the first 20 steps left out), the same measurement for both recipes.
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, accelerate_cmd, free_port, run_quiet
+
 RESULTS = REPO / "benchmarks" / "results" / "ddp.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-ENV = {
-    **os.environ,
-    "GLOO_SOCKET_IFNAME": "lo",
-    "OMP_NUM_THREADS": "1",
-    "TQDM_DISABLE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-}
 
 
 def accelerate_launch(nproc: int, script: str, args: list[str]) -> float:
     """Run and return the wall-clock seconds of the whole command."""
-    if nproc == 1:
-        cmd = [sys.executable, script, *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            "accelerate_configs/cpu_multi.yaml",
-            "--num_processes",
-            str(nproc),
-            "--main_process_port",
-            str(free_port()),
-            script,
-            *args,
-        ]
+    cmd = [sys.executable, script, *args] if nproc == 1 else accelerate_cmd(script, args, nproc)
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_quiet(cmd)
     return time.perf_counter() - start
 
 
@@ -109,7 +78,7 @@ def plain_ddp_speed(tmp: Path, steps: int, tag: str) -> float:
         "--output_file",
         str(out),
     ]
-    subprocess.run(cmd, cwd=REPO, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_quiet(cmd)
     return json.loads(out.read_text())["tokens_per_sec"]
 
 

@@ -9,47 +9,17 @@ table, writes benchmarks/results/localsgd.json and, where matplotlib is installe
 
 import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, accelerate_cmd, run_quiet
+
 RESULTS = REPO / "benchmarks" / "results"
-ENV = {
-    **os.environ,
-    "GLOO_SOCKET_IFNAME": "lo",
-    "OMP_NUM_THREADS": "1",
-    "TQDM_DISABLE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(script: str, out: Path, extra: list[str]) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "accelerate_configs/cpu_multi.yaml",
-        "--main_process_port",
-        str(free_port()),
-        script,
-        "--eval_every",
-        "100",
-        "--output_dir",
-        str(out),
-        *extra,
-    ]
-    subprocess.run(cmd, cwd=REPO, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """On the 2 processes of cpu_multi.yaml."""
+    run_quiet(accelerate_cmd(script, ["--eval_every", "100", "--output_dir", str(out), *extra]))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

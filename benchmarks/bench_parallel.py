@@ -15,57 +15,20 @@ do not depend on the machine.
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, accelerate_cmd, run_quiet
+
 RESULTS = REPO / "benchmarks" / "results"
-ENV = {
-    **os.environ,
-    "GLOO_SOCKET_IFNAME": "lo",
-    "OMP_NUM_THREADS": "1",
-    "TQDM_DISABLE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "PYTHONWARNINGS": "ignore",
-}
 MIB = 2**20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(script: str, nproc: int, out: Path, extra: list[str], steps: int) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "accelerate_configs/cpu_multi.yaml",
-        "--num_processes",
-        str(nproc),
-        "--main_process_port",
-        str(free_port()),
-        f"scripts/{script}",
-        "--model_size",
-        "small",
-        "--max_steps",
-        str(steps),
-        "--eval_every",
-        "0",
-        "--log_every",
-        str(steps),
-        "--output_dir",
-        str(out),
-        *extra,
-    ]
-    subprocess.run(cmd, cwd=REPO, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["--model_size", "small", "--max_steps", str(steps), "--eval_every", "0", "--log_every", str(steps)]
+    cmd = accelerate_cmd(f"scripts/{script}", [*args, "--output_dir", str(out), *extra], nproc)
+    run_quiet(cmd, PYTHONWARNINGS="ignore")
     return next(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"summary"' in line)
 
 

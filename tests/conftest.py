@@ -101,6 +101,22 @@ def launch_cmd(script: str, args: list[str], nproc: int = 1) -> list[str]:
     ]
 
 
+def accelerate_launch_cmd(launch_flags: list[str], script: str, args: list[str]) -> list[str]:
+    """`accelerate launch` given its flags on the command line instead of a config file (fp32, no dynamo)."""
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launch_flags,
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        f"scripts/{script}",
+        *args,
+    ]
+
+
 def launch(
     script: str, args: list[str], nproc: int = 1, check: bool = True, timeout: float = LAUNCH_TIMEOUT
 ) -> subprocess.CompletedProcess:
@@ -139,6 +155,11 @@ def data_cache(tmp_path_factory) -> str:
 TINY = ["--model_size", "tiny", "--log_every", "1", "--eval_every", "0", "--warmup_steps", "5"]
 
 
+def launch_tiny(script: str, out, data_cache: str, *flags: str, **kwargs) -> subprocess.CompletedProcess:
+    """`script` with TINY, then `flags`, on the session's data cache, writing to `out`; kwargs go to launch()."""
+    return launch(script, [*TINY, *flags, "--data_cache_dir", data_cache, "--output_dir", str(out)], **kwargs)
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, data_cache):
     """The single-process train_ddp.py run every strategy is compared with, built once per
@@ -148,7 +169,7 @@ def reference(tmp_path_factory, data_cache):
     def run(*flags: str) -> Path:
         if flags not in cache:
             out = tmp_path_factory.mktemp("reference") / "run"
-            launch("train_ddp.py", [*TINY, "--data_cache_dir", data_cache, *flags, "--output_dir", str(out)])
+            launch_tiny("train_ddp.py", out, data_cache, *flags)
             cache[flags] = out
         return cache[flags]
 
@@ -169,6 +190,12 @@ def assert_same_evals(a, b, tol: float = 1e-5) -> None:
     for x, y in zip(ea, eb, strict=True):
         assert x["num_samples"] == y["num_samples"] == 1000
         assert abs(x["eval_loss"] - y["eval_loss"]) < tol and x["exact_match"] == y["exact_match"], (x, y)
+
+
+def assert_matches_reference(ref, out, steps) -> None:
+    """Same train losses (within 1e-5) at `steps` and same evaluations as the reference run."""
+    assert_same_losses(train_losses(ref), train_losses(out), steps, tol=1e-5)
+    assert_same_evals(ref, out)
 
 
 def assert_layout(output_dir, **degrees) -> None:
@@ -220,3 +247,12 @@ def evaluate_matches_in_run_eval(run_dir: Path, tmp_path: Path, batch_size: str 
     result, final = _json.loads(out.read_text()), evals(run_dir)[-1]
     assert result["num_samples"] == final["num_samples"] == 1000
     assert abs(result["eval_loss"] - final["eval_loss"]) < 1e-5 and result["exact_match"] == final["exact_match"]
+
+
+def resume_and_evaluate(script: str, flags: list[str], tmp_path: Path) -> None:
+    """On 2 processes: a run stopped at step 10 and resumed matches the straight run within 1e-6, and
+    evaluate.py on one process reproduces the resumed run's final evaluation."""
+    straight = tmp_path / "straight"
+    launch(script, [*flags, "--output_dir", str(straight)], nproc=2)
+    resume_matches(script, flags, 2, tmp_path / "resumed", straight, tol=1e-6)
+    evaluate_matches_in_run_eval(tmp_path / "resumed", tmp_path)

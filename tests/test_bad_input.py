@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, TINY, free_port, job_env, launch, launch_cmd, run_cmd
+from conftest import SCRIPTS, TINY, free_port, job_env, launch_cmd, launch_tiny, run_cmd
 
 
 def tree_digest(root: Path) -> str:
@@ -31,26 +31,18 @@ def assert_refused(result, *needles: str) -> None:
         assert needle in errors[0], errors[0]
 
 
+def assert_refused_untouched(run: Path, data_cache: str, flags: list[str], *needles: str) -> None:
+    """train_ddp.py with `flags` on the existing run `run` is refused and leaves `run` as it was."""
+    before = tree_digest(run)
+    assert_refused(launch_tiny("train_ddp.py", run, data_cache, *flags, check=False), *needles)
+    assert tree_digest(run) == before
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, data_cache):
     """A short run with checkpoints at steps 2 and 4 and a final model."""
     out = tmp_path_factory.mktemp("bad_input") / "run"
-    launch(
-        "train_ddp.py",
-        [
-            *TINY,
-            "--max_steps",
-            "4",
-            "--checkpoint_every",
-            "2",
-            "--keep_last",
-            "0",
-            "--data_cache_dir",
-            data_cache,
-            "--output_dir",
-            str(out),
-        ],
-    )
+    launch_tiny("train_ddp.py", out, data_cache, "--max_steps", "4", "--checkpoint_every", "2", "--keep_last", "0")
     return out
 
 
@@ -69,11 +61,7 @@ def finished_run(tmp_path_factory, data_cache):
 )
 def test_refused_before_any_work(flags, needles, tmp_path, data_cache):
     out = tmp_path / "run"
-    result = launch(
-        "train_ddp.py",
-        [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out), *flags],
-        check=False,
-    )
+    result = launch_tiny("train_ddp.py", out, data_cache, "--max_steps", "2", *flags, check=False)
     assert_refused(result, *needles)
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
 
@@ -109,67 +97,24 @@ def test_help_states_each_default_once(script):
 
 def test_bad_data_on_two_processes_fails_fast(tmp_path, data_cache):
     """Every rank meets the error, none is left waiting at a barrier for the others."""
-    result = launch(
-        "train_ddp.py",
-        [
-            *TINY,
-            "--dataset_name",
-            str(tmp_path / "nowhere"),
-            "--data_cache_dir",
-            data_cache,
-            "--output_dir",
-            str(tmp_path / "run"),
-        ],
-        nproc=2,
-        check=False,
-        timeout=120,
-    )
+    flags = ["--dataset_name", str(tmp_path / "nowhere")]
+    result = launch_tiny("train_ddp.py", tmp_path / "run", data_cache, *flags, nproc=2, check=False, timeout=120)
     assert_refused(result, "could not load --dataset_name")
 
 
 def test_block_size_longer_than_the_data(tmp_path, data_cache):
     text = tmp_path / "small.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 3)  # 81 bytes
-    result = launch(
-        "train_ddp.py",
-        [
-            *TINY,
-            "--train_file",
-            str(text),
-            "--validation_file",
-            str(text),
-            "--block_size",
-            "128",
-            "--data_cache_dir",
-            data_cache,
-            "--output_dir",
-            str(tmp_path / "run"),
-        ],
-        check=False,
-    )
+    flags = ["--train_file", str(text), "--validation_file", str(text), "--block_size", "128"]
+    result = launch_tiny("train_ddp.py", tmp_path / "run", data_cache, *flags, check=False)
     assert_refused(result, "--block_size 128 is longer than the train split allows (81 bytes")
 
 
 def test_fewer_samples_than_one_global_batch(tmp_path, data_cache):
     text = tmp_path / "small.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 30)
-    result = launch(
-        "train_ddp.py",
-        [
-            *TINY,
-            "--train_file",
-            str(text),
-            "--validation_file",
-            str(text),
-            "--block_size",
-            "16",
-            "--data_cache_dir",
-            data_cache,
-            "--output_dir",
-            str(tmp_path / "run"),
-        ],
-        check=False,
-    )
+    flags = ["--train_file", str(text), "--validation_file", str(text), "--block_size", "16"]
+    result = launch_tiny("train_ddp.py", tmp_path / "run", data_cache, *flags, check=False)
     assert_refused(result, "fewer than one global batch (64)", "--batch_size")
 
 
@@ -177,81 +122,24 @@ def test_block_size_longer_than_the_validation_data(tmp_path, data_cache):
     train, val = tmp_path / "train.txt", tmp_path / "val.txt"
     train.write_text("x = 1\n" * 2000)
     val.write_text("y = 2\n")
-    result = launch(
-        "train_ddp.py",
-        [
-            *TINY,
-            "--train_file",
-            str(train),
-            "--validation_file",
-            str(val),
-            "--block_size",
-            "32",
-            "--data_cache_dir",
-            data_cache,
-            "--output_dir",
-            str(tmp_path / "run"),
-        ],
-        check=False,
-    )
+    flags = ["--train_file", str(train), "--validation_file", str(val), "--block_size", "32"]
+    result = launch_tiny("train_ddp.py", tmp_path / "run", data_cache, *flags, check=False)
     assert_refused(result, "--block_size 32 is longer than the validation split allows")
 
 
 def test_new_run_does_not_overwrite_an_old_one(finished_run, data_cache):
-    before = tree_digest(finished_run)
-    result = launch(
-        "train_ddp.py",
-        [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(finished_run)],
-        check=False,
-    )
-    assert_refused(result, "already holds a run", "--overwrite_output_dir")
-    assert tree_digest(finished_run) == before
+    flags = ["--max_steps", "2"]
+    assert_refused_untouched(finished_run, data_cache, flags, "already holds a run", "--overwrite_output_dir")
 
 
 def test_resume_with_another_model_size_is_refused(finished_run, data_cache):
-    before = tree_digest(finished_run)
-    result = launch(
-        "train_ddp.py",
-        [
-            *TINY,
-            "--n_layer",
-            "3",
-            "--max_steps",
-            "6",
-            "--data_cache_dir",
-            data_cache,
-            "--output_dir",
-            str(finished_run),
-            "--resume_from_checkpoint",
-            "latest",
-        ],
-        check=False,
-    )
-    assert_refused(result, "saved by another model", "n_layer 2 vs 3")
-    assert tree_digest(finished_run) == before
+    flags = ["--n_layer", "3", "--max_steps", "6", "--resume_from_checkpoint", "latest"]
+    assert_refused_untouched(finished_run, data_cache, flags, "saved by another model", "n_layer 2 vs 3")
 
 
 def test_resume_with_another_global_batch_is_refused(finished_run, data_cache):
-    before = tree_digest(finished_run)
-    result = launch(
-        "train_ddp.py",
-        [
-            *TINY,
-            "--batch_size",
-            "32",
-            "--max_steps",
-            "6",
-            "--data_cache_dir",
-            data_cache,
-            "--output_dir",
-            str(finished_run),
-            "--resume_from_checkpoint",
-            "latest",
-        ],
-        check=False,
-    )
-    assert_refused(result, "global batch 64, this run has 32")
-    assert tree_digest(finished_run) == before
+    flags = ["--batch_size", "32", "--max_steps", "6", "--resume_from_checkpoint", "latest"]
+    assert_refused_untouched(finished_run, data_cache, flags, "global batch 64, this run has 32")
 
 
 @pytest.mark.parametrize("damage", ["no_metadata", "bad_state_json", "truncated_shard", "not_a_checkpoint"])
@@ -268,24 +156,8 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
         shard.write_bytes(shard.read_bytes()[:100])
     else:
         ckpt = run / "model"
-    before = tree_digest(run)
-    result = launch(
-        "train_ddp.py",
-        [
-            *TINY,
-            "--max_steps",
-            "6",
-            "--data_cache_dir",
-            data_cache,
-            "--output_dir",
-            str(run),
-            "--resume_from_checkpoint",
-            str(ckpt),
-        ],
-        check=False,
-    )
-    assert_refused(result, f"--resume_from_checkpoint {ckpt}")
-    assert tree_digest(run) == before
+    flags = ["--max_steps", "6", "--resume_from_checkpoint", str(ckpt)]
+    assert_refused_untouched(run, data_cache, flags, f"--resume_from_checkpoint {ckpt}")
 
 
 @pytest.mark.parametrize(
@@ -343,13 +215,7 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
 )
 def test_sharded_scripts_refuse_before_any_work(script, nproc, flags, needles, tmp_path, data_cache):
     out = tmp_path / "run"
-    result = launch(
-        script,
-        [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out), *flags],
-        nproc=nproc,
-        check=False,
-        timeout=120,
-    )
+    result = launch_tiny(script, out, data_cache, "--max_steps", "2", *flags, nproc=nproc, check=False, timeout=120)
     assert_refused(result, *needles)
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
 

@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 import time
 
 import psutil
@@ -11,17 +10,32 @@ import pytest
 from conftest import (
     REPO,
     TINY,
+    accelerate_launch_cmd,
     assert_same_losses,
     free_port,
     job_env,
     kill_tree,
     launch,
+    launch_tiny,
     read_metrics,
     run_cmd,
     train_losses,
 )
 
+FLAGS = ["--max_steps", "20", "--eval_every", "10", "--eval_batch_size", "64"]
 STEPS = list(range(1, 21))
+
+
+def start_two_machines(args: list[str], **streams) -> list[subprocess.Popen]:
+    """train_ddp.py as machine ranks 0 and 1 of a --num_machines 2 launch on loopback, one process each;
+    `streams` are Popen's stdout/stderr."""
+    port, procs = free_port(), []
+    for rank in (0, 1):
+        flags = ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank)]
+        flags += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--rdzv_backend", "static"]
+        cmd = accelerate_launch_cmd(flags, "train_ddp.py", args)
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=job_env(), text=True, start_new_session=True, **streams))
+    return procs
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +44,11 @@ def runs(tmp_path_factory, data_cache):
     tokens, so ranks and micro-batches hold unequal target counts (docs/troubleshooting.md, "Loss
     normalised per micro-batch")."""
     root = tmp_path_factory.mktemp("ddp")
-    common = [
-        *TINY,
-        "--max_steps",
-        "20",
-        "--data_cache_dir",
-        data_cache,
-        "--eval_every",
-        "10",
-        "--eval_batch_size",
-        "64",
-    ]
     out = {name: root / name for name in ("one", "two", "two_accum")}
-    launch("train_ddp.py", [*common, "--batch_size", "16", "--output_dir", str(out["one"])], nproc=1)
-    launch("train_ddp.py", [*common, "--batch_size", "8", "--output_dir", str(out["two"])], nproc=2)
-    launch(
-        "train_ddp.py",
-        [*common, "--batch_size", "4", "--gradient_accumulation_steps", "2", "--output_dir", str(out["two_accum"])],
-        nproc=2,
-    )
+    launch_tiny("train_ddp.py", out["one"], data_cache, *FLAGS, "--batch_size", "16", nproc=1)
+    launch_tiny("train_ddp.py", out["two"], data_cache, *FLAGS, "--batch_size", "8", nproc=2)
+    accum = ["--batch_size", "4", "--gradient_accumulation_steps", "2"]
+    launch_tiny("train_ddp.py", out["two_accum"], data_cache, *FLAGS, *accum, nproc=2)
     return out
 
 
@@ -128,59 +128,9 @@ def test_resume_is_exact(tmp_path, data_cache):
 
 def test_two_machines_on_loopback_match_one_machine(runs, tmp_path, data_cache):
     """--num_machines 2, machine ranks 0 and 1, one process each, against 2 processes on one machine."""
-    out, port = tmp_path / "two_machines", free_port()
-    args = [
-        *TINY,
-        "--max_steps",
-        "20",
-        "--data_cache_dir",
-        data_cache,
-        "--eval_every",
-        "10",
-        "--eval_batch_size",
-        "64",
-        "--batch_size",
-        "8",
-        "--output_dir",
-        str(out),
-    ]
-    procs = []
-    for machine_rank in (0, 1):
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_machines",
-            "2",
-            "--num_processes",
-            "2",
-            "--machine_rank",
-            str(machine_rank),
-            "--main_process_ip",
-            "127.0.0.1",
-            "--main_process_port",
-            str(port),
-            "--rdzv_backend",
-            "static",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "scripts/train_ddp.py",
-            *args,
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                env=job_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
+    out = tmp_path / "two_machines"
+    args = [*TINY, *FLAGS, "--batch_size", "8", "--data_cache_dir", data_cache, "--output_dir", str(out)]
+    procs = start_two_machines(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -195,25 +145,11 @@ def test_launch_that_starts_one_process_is_refused(tmp_path):
     """`accelerate launch --cpu --num_processes 2` starts ONE process: say so, don't train
     (docs/troubleshooting.md, "Only one process started")."""
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--cpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "scripts/train_ddp.py",
-        "--model_size",
-        "tiny",
-        "--output_dir",
-        str(out),
-    ]
+    cmd = accelerate_launch_cmd(
+        ["--cpu", "--num_processes", "2", "--num_machines", "1"],
+        "train_ddp.py",
+        ["--model_size", "tiny", "--output_dir", str(out)],
+    )
     result = run_cmd(cmd)
     assert result.returncode != 0
     assert "error: accelerate launch was asked for several processes but started only one" in result.stderr
@@ -224,30 +160,11 @@ def test_multi_gpu_launch_without_cuda_joins_one_group(tmp_path, data_cache):
     """A torchrun-style launch on a CPU-only machine must give 2 ranks of ONE run, not 2 runs
     (docs/troubleshooting.md, "Several processes that each think they are alone")."""
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--main_process_port",
-        str(free_port()),
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "scripts/train_ddp.py",
-        *TINY,
-        "--max_steps",
-        "2",
-        "--data_cache_dir",
-        data_cache,
-        "--output_dir",
-        str(out),
-    ]
+    cmd = accelerate_launch_cmd(
+        ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--main_process_port", str(free_port())],
+        "train_ddp.py",
+        [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache, "--output_dir", str(out)],
+    )
     result = run_cmd(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stdout and result.stdout.count("train_ddp: ") == 1
@@ -257,7 +174,7 @@ def test_multi_gpu_launch_without_cuda_joins_one_group(tmp_path, data_cache):
 def test_frozen_peer_ends_the_run_after_the_collective_timeout(tmp_path, data_cache):
     """Two machines on loopback; machine 1 freezes mid-run (SIGSTOP: its connections stay open,
     nothing answers). Machine 0 must fail once --collective_timeout (20 s) has passed, not wait forever."""
-    out, port = tmp_path / "run", free_port()
+    out = tmp_path / "run"
     args = [
         *TINY,
         "--max_steps",
@@ -271,41 +188,7 @@ def test_frozen_peer_ends_the_run_after_the_collective_timeout(tmp_path, data_ca
         "--output_dir",
         str(out),
     ]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "accelerate.commands.launch",
-                "--multi_gpu",
-                "--num_machines",
-                "2",
-                "--num_processes",
-                "2",
-                "--machine_rank",
-                str(rank),
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                str(port),
-                "--rdzv_backend",
-                "static",
-                "--mixed_precision",
-                "no",
-                "--dynamo_backend",
-                "no",
-                "scripts/train_ddp.py",
-                *args,
-            ],
-            cwd=REPO,
-            env=job_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in (0, 1)
-    ]
+    procs = start_two_machines(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         while not ((out / "metrics.jsonl").exists() and '"train"' in (out / "metrics.jsonl").read_text()):

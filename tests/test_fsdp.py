@@ -2,17 +2,7 @@
 
 import pytest
 
-from conftest import (
-    TINY,
-    assert_layout,
-    assert_same_evals,
-    assert_same_losses,
-    evaluate_matches_in_run_eval,
-    launch,
-    resume_matches,
-    summary,
-    train_losses,
-)
+from conftest import TINY, assert_layout, assert_matches_reference, launch, resume_and_evaluate, resume_matches, summary
 
 FLAGS = ["--max_steps", "20", "--eval_every", "10", "--eval_batch_size", "64"]
 STEPS = list(range(1, 21))
@@ -49,8 +39,7 @@ def test_matches_single_process(nproc, batch, accum, extra, reference, tmp_path,
     )
     assert_layout(out, dp_shard=nproc, tp=1, pp=1)
     ref = reference(*FLAGS, "--batch_size", "16")
-    assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
-    assert_same_evals(ref, out)
+    assert_matches_reference(ref, out, STEPS)
     if accum > 1:  # one reduce-scatter per FSDP unit (2 blocks + root) per step, not per micro-batch
         assert summary(out)["collectives_first_step_rank0"]["reduce_scatter"]["calls"] == 3
 
@@ -88,10 +77,7 @@ def test_memory_per_rank_is_the_zero3_ideal(nproc, tmp_path, data_cache):
 
 def test_resume_is_exact_and_final_model_evaluates(tmp_path, data_cache):
     flags = [*TINY, *FLAGS, "--batch_size", "8", "--data_cache_dir", data_cache]
-    straight = tmp_path / "straight"
-    launch("train_fsdp.py", [*flags, "--output_dir", str(straight)], nproc=2)
-    resume_matches("train_fsdp.py", flags, 2, tmp_path / "resumed", straight)
-    evaluate_matches_in_run_eval(tmp_path / "resumed", tmp_path)
+    resume_and_evaluate("train_fsdp.py", flags, tmp_path)
 
 
 def test_checkpoint_of_4_ranks_resumes_on_2(tmp_path, reference, data_cache):

@@ -6,33 +6,29 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY, assert_same_losses, free_port, job_env, launch, read_metrics, run_cmd, train_losses
+from conftest import (
+    SCRIPTS,
+    TINY,
+    accelerate_launch_cmd,
+    assert_same_losses,
+    free_port,
+    launch,
+    launch_tiny,
+    read_metrics,
+    run_cmd,
+    train_losses,
+)
 
 SGD = ["--optimizer", "sgd", "--learning_rate", "0.1", "--max_grad_norm", "0"]
+MERGE = [sys.executable, str(SCRIPTS / "merge_checkpoints.py")]
 
 
 @pytest.fixture(scope="module")
 def k4_run(tmp_path_factory, data_cache):
     """AdamW, fusion every 4 steps, 10 steps: fusions at 4, 8 and the end; rank models saved."""
     out = tmp_path_factory.mktemp("localsgd") / "k4"
-    launch(
-        "train_localsgd.py",
-        [
-            *TINY,
-            "--max_steps",
-            "10",
-            "--sync_every",
-            "4",
-            "--batch_size",
-            "8",
-            "--data_cache_dir",
-            data_cache,
-            "--save_rank_models",
-            "--output_dir",
-            str(out),
-        ],
-        nproc=2,
-    )
+    flags = ["--max_steps", "10", "--sync_every", "4", "--batch_size", "8", "--save_rank_models"]
+    launch_tiny("train_localsgd.py", out, data_cache, *flags, nproc=2)
     return out
 
 
@@ -73,16 +69,8 @@ def test_communication_is_k_times_less_than_ddp(k4_run):
 def test_saved_model_is_the_fused_one_and_equals_the_merged_rank_models(k4_run, tmp_path):
     """The rank models are saved right before the final fusion: averaging them must give model/."""
     merged = tmp_path / "merged"
-    result = run_cmd(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "merge_checkpoints.py"),
-            str(k4_run / "rank_models" / "rank_0"),
-            str(k4_run / "rank_models" / "rank_1"),
-            "--out",
-            str(merged),
-        ]
-    )
+    ranks = [str(k4_run / "rank_models" / f"rank_{r}") for r in (0, 1)]
+    result = run_cmd([*MERGE, *ranks, "--out", str(merged)])
     assert result.returncode == 0, result.stderr[-2000:]
     fused, averaged = (
         load_file(str(k4_run / "model" / "model.safetensors")),
@@ -100,19 +88,7 @@ def test_saved_model_is_the_fused_one_and_equals_the_merged_rank_models(k4_run, 
 
 def test_merging_a_model_with_itself_returns_it(k4_run, tmp_path):
     model = k4_run / "model"
-    result = run_cmd(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "merge_checkpoints.py"),
-            str(model),
-            str(model),
-            "--weights",
-            "3",
-            "1",
-            "--out",
-            str(tmp_path / "same"),
-        ]
-    )
+    result = run_cmd([*MERGE, str(model), str(model), "--weights", "3", "1", "--out", str(tmp_path / "same")])
     assert result.returncode == 0, result.stderr[-2000:]
     a, b = load_file(str(model / "model.safetensors")), load_file(str(tmp_path / "same" / "model.safetensors"))
     assert all((a[k] == b[k]).all() for k in a)
@@ -159,8 +135,7 @@ def assert_one_error(result, needle):
 def test_merge_of_missing_rank_models_names_save_rank_models(tmp_path):
     """rank_models/rank_N exist only if train_localsgd.py ran with --save_rank_models: say so."""
     ranks = [tmp_path / "run" / "rank_models" / f"rank_{r}" for r in (0, 1)]
-    merge = [sys.executable, str(REPO / "scripts" / "merge_checkpoints.py"), *map(str, ranks)]
-    result = run_cmd([*merge, "--out", str(tmp_path / "fused")], timeout=120)
+    result = run_cmd([*MERGE, *map(str, ranks), "--out", str(tmp_path / "fused")], timeout=120)
     assert_one_error(result, "no model.safetensors")
     assert (
         "train_localsgd.py writes OUTPUT_DIR/rank_models/rank_N only when run with --save_rank_models" in result.stderr
@@ -173,47 +148,29 @@ def test_bad_input(k4_run, tmp_path, data_cache):
     assert_one_error(result, "--sync_every must be at least 1")
     assert not (tmp_path / "a").exists()
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--use_fsdp",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--main_process_port",
-        str(free_port()),
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "scripts/train_localsgd.py",
-        *TINY,
-        "--data_cache_dir",
-        data_cache,
-        "--output_dir",
-        str(tmp_path / "b"),
-    ]
-    assert_one_error(run_cmd(cmd, env=job_env()), "cannot run under FSDP")
+    cmd = accelerate_launch_cmd(
+        ["--use_fsdp", "--num_processes", "2", "--num_machines", "1", "--main_process_port", str(free_port())],
+        "train_localsgd.py",
+        [*TINY, "--data_cache_dir", data_cache, "--output_dir", str(tmp_path / "b")],
+    )
+    assert_one_error(run_cmd(cmd), "cannot run under FSDP")
 
-    merge = [sys.executable, str(REPO / "scripts" / "merge_checkpoints.py")]
     other = tmp_path / "other"
     launch(
         "train_ddp.py",
         [*TINY, "--n_layer", "3", "--max_steps", "1", "--data_cache_dir", data_cache, "--output_dir", str(other)],
     )
     assert_one_error(
-        run_cmd([*merge, str(k4_run / "model"), str(other / "model"), "--out", str(tmp_path / "m")]),
+        run_cmd([*MERGE, str(k4_run / "model"), str(other / "model"), "--out", str(tmp_path / "m")]),
         "only models of one config",
     )
     assert_one_error(
-        run_cmd([*merge, str(k4_run / "model"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "m")]),
+        run_cmd([*MERGE, str(k4_run / "model"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "m")]),
         "no model.safetensors",
     )
     assert not (tmp_path / "m").exists()
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
-    assert_one_error(run_cmd([*merge, str(k4_run / "model"), "--out", str(existing)]), "already exists")
+    assert_one_error(run_cmd([*MERGE, str(k4_run / "model"), "--out", str(existing)]), "already exists")
     assert (existing / "keep.txt").read_text() == "mine"

@@ -3,17 +3,7 @@ single-process run of the same 4-layer model."""
 
 import pytest
 
-from conftest import (
-    TINY,
-    assert_layout,
-    assert_same_evals,
-    assert_same_losses,
-    evaluate_matches_in_run_eval,
-    launch,
-    resume_matches,
-    summary,
-    train_losses,
-)
+from conftest import TINY, assert_layout, assert_matches_reference, launch, resume_and_evaluate, summary
 
 FLAGS = ["--n_layer", "4", "--max_steps", "20", "--batch_size", "16"]  # one evaluation, at the end
 STEPS = list(range(1, 21))
@@ -34,8 +24,7 @@ def test_matches_single_process(pp, schedule, reference, tmp_path, data_cache):
     assert_layout(out, pp=pp, dp_shard=1, tp=1)
     ref = reference(*FLAGS, "--eval_batch_size", "64")
     # the mean over the global batch, written by rank 0
-    assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
-    assert_same_evals(ref, out)  # forward-only through the pipeline
+    assert_matches_reference(ref, out, STEPS)  # evaluation: forward-only through the pipeline
     s = summary(out)
     assert s["bubble_theory"] == pytest.approx(
         (pp - 1) / ((2 if pp == 2 and schedule in ("interleaved_1f1b", "zero_bubble") else 1) * 4 + pp - 1), abs=1e-4
@@ -52,7 +41,4 @@ def test_resume_under_pp_is_exact_and_final_model_evaluates(tmp_path, data_cache
     """10 + resume 10 == 20 straight, both under PP, within 1e-6; then evaluate.py on one
     process reproduces the run's last evaluation from the consolidated model/."""
     flags = [*TINY, *FLAGS, "--schedule", "gpipe", "--split_points", "1", "--data_cache_dir", data_cache]
-    straight = tmp_path / "straight"
-    launch("train_pp.py", [*flags, "--output_dir", str(straight)], nproc=2)
-    resume_matches("train_pp.py", flags, 2, tmp_path / "resumed", straight, tol=1e-6)
-    evaluate_matches_in_run_eval(tmp_path / "resumed", tmp_path)
+    resume_and_evaluate("train_pp.py", flags, tmp_path)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, TINY, assert_same_losses, job_env, kill_tree, launch, launch_cmd, read_metrics, train_losses
 
-FLAGS = [*TINY, "--max_steps", "60", "--batch_size", "8"]
+FLAGS = [*TINY, "--max_steps", "30", "--batch_size", "8"]
 
 
 def start_and_preempt(script: str, args: list[str], out, after_step: int = 3) -> subprocess.CompletedProcess:
@@ -53,7 +53,7 @@ def test_sigterm_checkpoints_exits_0_and_resumes_exactly(script, tmp_path, data_
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     stopped = max(train_losses(out))
-    assert 3 <= stopped < 60
+    assert 3 <= stopped < 30
     assert f"preempted at step {stopped}: resume with --resume_from_checkpoint auto" in result.stdout
     assert (out / "checkpoints" / f"step_{stopped}").is_dir() and not (out / "model").exists()
     assert read_metrics(out)[-1] == {
@@ -64,6 +64,6 @@ def test_sigterm_checkpoints_exits_0_and_resumes_exactly(script, tmp_path, data_
     }
 
     launch(script, [*args, "--output_dir", str(out), "--resume_from_checkpoint", "auto"], nproc=2)
-    assert sorted(train_losses(out)) == list(range(1, 61))
-    assert_same_losses(train_losses(straight), train_losses(out), list(range(1, 61)), tol=1e-5)
+    assert sorted(train_losses(out)) == list(range(1, 31))
+    assert_same_losses(train_losses(straight), train_losses(out), list(range(1, 31)), tol=1e-5)
     assert (out / "model" / "model.safetensors").is_file()

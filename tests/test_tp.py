@@ -2,17 +2,7 @@
 
 import pytest
 
-from conftest import (
-    TINY,
-    assert_layout,
-    assert_same_evals,
-    assert_same_losses,
-    evaluate_matches_in_run_eval,
-    launch,
-    resume_matches,
-    summary,
-    train_losses,
-)
+from conftest import TINY, assert_layout, assert_matches_reference, launch, resume_and_evaluate, summary
 
 # 4-digit addition: 16-token rows, which 2 and 4 ranks can split for sequence parallel;
 # answers have 2 to 6 target tokens, so micro-batches hold unequal target counts.
@@ -48,8 +38,7 @@ def test_matches_single_process(nproc, extra, reference, tmp_path, data_cache):
     )
     assert_layout(out, tp=nproc, dp_shard=1, pp=1)
     ref = reference(*FLAGS)
-    assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
-    assert_same_evals(ref, out)  # reduced over the data-parallel group only: each sample counted once
+    assert_matches_reference(ref, out, STEPS)  # evals: reduced over the data-parallel group only, each sample once
     s = summary(out)
     assert s["state_bytes_per_rank_max"]["param_bytes"] < 0.6 * s["unsharded_param_bytes"]  # the big matrices are split
     if extra == ["--loss_parallel"]:
@@ -68,7 +57,4 @@ def assert_communication_matches_megatron(s: dict) -> None:
 
 def test_resume_is_exact_and_final_model_evaluates(tmp_path, reference, data_cache):
     flags = [*TINY, *FLAGS, "--data_cache_dir", data_cache, "--sequence_parallel"]
-    straight = tmp_path / "straight"
-    launch("train_tp.py", [*flags, "--output_dir", str(straight)], nproc=2)
-    resume_matches("train_tp.py", flags, 2, tmp_path / "resumed", straight)
-    evaluate_matches_in_run_eval(tmp_path / "resumed", tmp_path)
+    resume_and_evaluate("train_tp.py", flags, tmp_path)

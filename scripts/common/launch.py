@@ -220,6 +220,7 @@ def make_accelerator(args, sharded: str | None = None, **accelerator_kwargs):
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1; a plain `python` run shares the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     use_cpu = args.cpu or not torch.cuda.is_available()
+    init_restart_safe_group(use_cpu, timedelta(seconds=args.collective_timeout))
     accelerator = Accelerator(
         cpu=use_cpu,
         log_with=None if args.report_to == "none" else args.report_to,
@@ -240,6 +241,26 @@ def make_accelerator(args, sharded: str | None = None, **accelerator_kwargs):
         check_sharded_launch(accelerator, sharded)
         init_one_process_group(accelerator)
     return accelerator
+
+
+def init_restart_safe_group(use_cpu: bool, timeout: timedelta) -> None:
+    """Under torchrun the workers share the launcher's key-value store, and it outlives a restart
+    (`--max_restarts`): the new workers would find the dead ones' addresses in it and fail to
+    connect ("Gloo connectFullMesh failed ... Connection refused"). So the process group is made
+    here, on a view of the store named after the attempt; Accelerate then uses it as it is."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    torch.distributed.init_process_group(
+        "gloo" if use_cpu else "nccl",
+        store=torch.distributed.PrefixStore(f"attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
 
 
 def check_sharded_launch(accelerator, name: str) -> None:

@@ -150,6 +150,7 @@ class RunLog:
         config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers(name, config=config)  # Accelerate: trackers (--report_to)
         self.bar = self.layout = self.throughput = None  # start() makes them
+        self._logged = False
         self.run_start = self._step_start = time.perf_counter()
 
     def start(
@@ -217,6 +218,10 @@ class RunLog:
         """One train record; `grad_norm` is None when --max_grad_norm 0 turned clipping off."""
         grad_norm = None if grad_norm is None or not self.args.max_grad_norm else float(grad_norm)
         layout = {"layout": self.layout.describe()} if self.layout is not None else {}
+        # The first record after a resume says so: steps after the checkpoint that an interrupted
+        # run had already logged appear again; the later record of a step is the one that counts.
+        resumed = {"resumed": True} if self.start_step > 0 and not self._logged else {}
+        self._logged = True
         record = {
             "type": "train",
             "step": step,
@@ -226,6 +231,7 @@ class RunLog:
             "global_batch_size": self.global_batch_size,
             "world_size": self.world_size,
             **layout,
+            **resumed,
             **extra,
             **self.throughput.report(self.world_size),
         }
