@@ -90,7 +90,6 @@ class TrainStream:
         gradient_accumulation_steps: int,
         progress: dict,
         dp_group=None,
-        count_over_ranks: bool = True,
     ):
         """`progress`: where the run stands (load_checkpoint's answer): epoch and samples_in_epoch."""
         self.accelerator, self.loader, self.sampler = accelerator, loader, sampler
@@ -98,7 +97,6 @@ class TrainStream:
         self.epoch, self.samples_in_epoch = progress["epoch"], progress["samples_in_epoch"]
         self.samples_per_epoch = len(sampler)  # a whole number of global batches
         self.dp_group = dp_group  # None: all processes are data-parallel ranks
-        self.count_over_ranks = count_over_ranks  # False: this rank's own count, no communication
         # Preemption: SIGTERM (what SLURM and Kubernetes send before they kill a job) or Ctrl-C on
         # any rank asks the run to stop. The request travels with the next step's target count, so
         # every rank learns it at the same step and they all stop there, after a checkpoint.
@@ -136,7 +134,7 @@ class TrainStream:
         stop = torch.tensor([float(self.stop_requested)], device=count.device)
         works = []
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        if distributed and self.count_over_ranks and torch.distributed.get_world_size(self.dp_group) > 1:
+        if distributed and torch.distributed.get_world_size(self.dp_group) > 1:
             works.append(torch.distributed.all_reduce(count, group=self.dp_group, async_op=True))
         if distributed:  # over every rank: all of them must stop at the same step
             works.append(torch.distributed.all_reduce(stop, async_op=True))
@@ -144,7 +142,7 @@ class TrainStream:
 
     def next_step(self) -> tuple[list, torch.Tensor]:
         """This rank's micro-batches of the next optimizer step, and the target count of the global
-        batch (of this rank's part with count_over_ranks=False)."""
+        batch."""
         window, count, stop, works = self._next
         for work in works:
             work.wait()
