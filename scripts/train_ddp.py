@@ -31,7 +31,14 @@ from common.data import data_source, load_data, make_eval_loader, make_train_loa
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.metrics import RunLog, evaluate, peak_memory_mb, ring_allreduce_bytes
 from common.model import GPT, count_parameters, cross_entropy_sum
-from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args, trainer_state
+from common.training import (
+    TrainStream,
+    compile_blocks,
+    make_optimizer,
+    make_scheduler,
+    model_config_from_args,
+    trainer_state,
+)
 
 
 def main():
@@ -64,8 +71,10 @@ def main():
 
     # ---------------------------------------- model
     set_seed(args.seed)  # Accelerate: seeds python, numpy and torch; same value on every rank
-    model = GPT(model_config)  # the same full model on every rank: the replicas start equal
+    model = GPT(model_config).to(accelerator.device)  # the same full model on every rank: the replicas start equal
     n_params = count_parameters(model)
+    if args.compile:
+        compile_blocks(model, accelerator)  # each block; DDP's all-reduce hooks stay outside
 
     # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)

@@ -49,6 +49,7 @@ from common.model import GPT, count_parameters, cross_entropy_sum
 from common.training import (
     TrainStream,
     clip_grad_norm_,
+    compile_blocks,
     make_optimizer,
     make_scheduler,
     model_config_from_args,
@@ -172,6 +173,8 @@ def main():
     # ---------------------------------------- FSDP: the strategy
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)  # FSDP: less activation memory, one more forward per block
+    if args.compile:
+        compile_blocks(model, accelerator)  # after activation checkpointing, before fully_shard
     apply_fsdp(
         model,
         [model],
@@ -214,7 +217,8 @@ def main():
     while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
-        with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
+        # the first step's collectives are counted (not under --compile: a dispatch mode stops it)
+        with CollectiveCounter(enabled=step == start_step and not args.compile) as counter:
             # FSDP: per block all-gather, compute, and in backward reduce-scatter the gradients
             loss_sum = fsdp_forward_backward(accelerator, model, window, global_targets, layout.dp)
         # over the shards: the whole model's norm

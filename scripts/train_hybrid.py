@@ -54,6 +54,7 @@ from common.model import GPT, count_parameters
 from common.training import (
     TrainStream,
     clip_grad_norm_,
+    compile_blocks,
     make_optimizer,
     make_scheduler,
     model_config_from_args,
@@ -121,8 +122,10 @@ def main():
         apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)  # 2. TP
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)  # 3. activation checkpointing
+    if args.compile:
+        compile_blocks(model, accelerator)  # 4. torch.compile per block
     if layout.dp > 1:
-        apply_fsdp(model, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision)  # 4. FSDP / HSDP
+        apply_fsdp(model, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision)  # 5. FSDP / HSDP
     if layout.pp > 1:
         pipeline = PipelineStep(accelerator, layout, stages, args.schedule, args.n_microbatches, args.loss_parallel)
         forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
@@ -169,7 +172,8 @@ def main():
     while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
-        with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
+        # the first step's collectives are counted (not under --compile: a dispatch mode stops it)
+        with CollectiveCounter(enabled=step == start_step and not args.compile) as counter:
             loss_sum = forward_backward(window, global_targets)
         # sharded, and summed over the stages
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))

@@ -45,7 +45,14 @@ from common.errors import UsageError
 from common.launch import build_parser, check_core_args, launcher_sharding, make_accelerator, run_main
 from common.metrics import RunLog, evaluate, peak_memory_mb, ring_allreduce_bytes
 from common.model import GPT, count_parameters, cross_entropy_sum
-from common.training import TrainStream, make_optimizer, make_scheduler, model_config_from_args, trainer_state
+from common.training import (
+    TrainStream,
+    compile_blocks,
+    make_optimizer,
+    make_scheduler,
+    model_config_from_args,
+    trainer_state,
+)
 
 
 def parameter_fingerprint(model) -> torch.Tensor:
@@ -102,8 +109,10 @@ def main():
 
     # ---------------------------------------- model
     set_seed(args.seed)  # Accelerate: same seed on every rank, so the replicas start equal
-    model = GPT(model_config)
+    model = GPT(model_config).to(accelerator.device)
     n_params = count_parameters(model)
+    if args.compile:
+        compile_blocks(model, accelerator)  # each block, before DDP wraps the model
 
     # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)

@@ -64,6 +64,7 @@ from common.model import GPT, count_parameters, cross_entropy_sum
 from common.training import (
     TrainStream,
     clip_grad_norm_,
+    compile_blocks,
     make_optimizer,
     make_scheduler,
     model_config_from_args,
@@ -416,6 +417,8 @@ def main():
     stages = split_pipeline(
         model, layout, args.stages_per_rank, args.split_points
     )  # PP: keep this rank's layers, one view per stage
+    if args.compile:
+        compile_blocks(model, accelerator)  # this rank's blocks, before FSDP
     if layout.dp > 1:  # processes beyond one pipeline: data parallel over the pipelines (FSDP per stage)
         apply_fsdp(model, stages, layout.fsdp_mesh, accelerator.mixed_precision)
     pipeline = PipelineStep(
@@ -460,7 +463,8 @@ def main():
     while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
-        with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
+        # the first step's collectives are counted (not under --compile: a dispatch mode stops it)
+        with CollectiveCounter(enabled=step == start_step and not args.compile) as counter:
             loss_sum = pipeline(
                 window, global_targets
             )  # PP: every micro-batch through every stage, forward and backward

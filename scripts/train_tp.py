@@ -67,6 +67,7 @@ from common.model import GPT, count_parameters, cross_entropy_sum
 from common.training import (
     TrainStream,
     clip_grad_norm_,
+    compile_blocks,
     make_optimizer,
     make_scheduler,
     model_config_from_args,
@@ -213,6 +214,8 @@ def main():
 
     # ---------------------------------------- TP: the strategy
     apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)  # TP: split every block
+    if args.compile:
+        compile_blocks(model, accelerator)  # after the TP split, before FSDP
     if layout.dp > 1:  # processes beyond the TP group: data parallel over the TP groups (FSDP)
         apply_fsdp(model, [model], layout.fsdp_mesh, accelerator.mixed_precision)
 
@@ -257,7 +260,8 @@ def main():
     while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
-        with CollectiveCounter(enabled=step == start_step) as counter:  # the first step is measured
+        # the first step's collectives are counted (not under --compile: a dispatch mode stops it)
+        with CollectiveCounter(enabled=step == start_step and not args.compile) as counter:
             # TP: every layer's f/g collectives run inside forward and backward
             loss_sum = tp_forward_backward(accelerator, model, window, global_targets, layout.dp, args.loss_parallel)
         # over the shards: the whole model's norm

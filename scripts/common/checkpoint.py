@@ -9,10 +9,13 @@
         rng/rank_<r>.pt      every rank's RNG (python, numpy, torch, cuda)
     OUTPUT_DIR/model/        model.safetensors + config.json (+ data.json: which data it learned)
 
-A checkpoint is written to `checkpoints/.tmp_step_<N>` and renamed when complete, so an
-interrupted save never destroys the previous one. All ranks must call save/load/export:
-they are collectives (docs/troubleshooting.md, "A hang when saving"); only file writes that need one writer are the main
-process's. Checkpoints and `model/` need a file system shared by all machines.
+A checkpoint is written to `checkpoints/.tmp_step_<N>` and renamed when every rank has written
+its part; only then are older ones deleted (`--keep_last`). So a save killed at any moment leaves
+the previous complete checkpoint, and `latest`/`auto` never pick a partial one
+(docs/fault-tolerance.md, "A kill in the middle of a save"). All ranks must call
+save/load/export: they are collectives (docs/troubleshooting.md, "A hang when saving"); only file
+writes that need one writer are the main process's. Checkpoints and `model/` need a file system
+shared by all machines.
 """
 
 from __future__ import annotations
@@ -213,16 +216,26 @@ def save_checkpoint(
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "per_rank_state": per_rank_state}, indent=1))
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # every rank's files are written (DCP wrote its metadata last)
     if accelerator.is_main_process:
-        if final.exists():  # same step saved before (e.g. a resumed run): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # the checkpoint appears whole or not at all
-        if keep_last > 0:
-            for old in list_checkpoints(output_dir)[:-keep_last]:
-                shutil.rmtree(old)
+        publish_checkpoint(tmp, final, output_dir, keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+def publish_checkpoint(tmp: Path, final: Path, output_dir, keep_last: int) -> None:
+    """Rename a complete save into place, then delete what it replaces: a kill at any moment leaves
+    the newest complete checkpoint there. Main process, after every rank finished writing."""
+    replaced = final.with_name(f".old_{final.name}")
+    if final.exists():  # the same step saved before (a run resumed from an older checkpoint)
+        os.replace(final, replaced)
+    os.replace(tmp, final)  # the checkpoint appears whole or not at all
+    shutil.rmtree(replaced, ignore_errors=True)
+    if keep_last > 0:  # only now that the new one is complete
+        for old in list_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old)
+    for leftover in final.parent.glob(".tmp_step_*"):  # saves that a kill interrupted
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler) -> dict:

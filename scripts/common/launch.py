@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
+import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
 from .data import add_data_args, check_data_args
-from .errors import NothingToDo, UsageError
+from .errors import NothingToDo, RunPosition, UsageError
 from .model import MODEL_PRESETS
 
 
@@ -24,7 +27,12 @@ def run_main(main) -> None:
     exit in ten (more on a loaded machine) of a gloo job that used DeviceMesh sub-groups aborted
     in C++ static destructors after Python had finished ("terminate called without an active
     exception"), turning a complete, correct run into exit code -6. Everything the run writes
-    is closed by then (metrics, checkpoints, model/, trackers in end_training)."""
+    is closed by then (metrics, checkpoints, model/, trackers in end_training).
+    TRAIN_FULL_TEARDOWN=1 exits normally instead, to check whether the workaround is still needed
+    (benchmarks/bench_exits.py --full_teardown; docs/fault-tolerance.md, "Clean exits").
+
+    A collective that fails because a peer froze or died ends the run with one line naming the
+    step and the collective (lost_peer_line), exit code 1."""
     try:
         main()
     except UsageError as e:
@@ -40,12 +48,75 @@ def run_main(main) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(0)
+    except BaseException as e:  # CheckpointException (a peer lost during a save) is a BaseException
+        line = lost_peer_line(e)
+        if line is None:
+            raise
+        # every rank that saw it says so (the one that froze or died may be rank 0)
+        print(line, file=sys.stderr, flush=True)
+        report_to_launcher(line)
+        sys.stdout.flush()
+        os._exit(1)  # tearing the process group down could wait for the lost peer
     if world_size_from_env() == 1 and torch.distributed.is_initialized():  # the one-process group of a sharded script
         torch.distributed.destroy_process_group()
-    if world_size_from_env() > 1:
+    if world_size_from_env() > 1 and os.environ.get("TRAIN_FULL_TEARDOWN") != "1":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+# What gloo says when a peer stops answering (--collective_timeout passed) or goes away.
+TIMEOUT_SIGNS = ("timed out", "timeout caused pair closure", "timeout waiting", "socket timeout")
+GONE_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "read error", "socket closed")
+
+
+def lost_peer_line(error: BaseException) -> str | None:
+    """The one line for a collective that failed because a peer froze or died, or None if `error`
+    is something else. It names the step (RunPosition), the collective the process waited in and
+    where, and the troubleshooting section."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(error, (RuntimeError, CheckpointException)):
+        return None
+    text = str(error).lower()
+    if any(sign in text for sign in TIMEOUT_SIGNS):
+        seconds = f"{RunPosition.collective_timeout:g} s" if RunPosition.collective_timeout else "too long"
+        what = f"waited {seconds} for a peer that did not answer (it froze, was stopped, or is far too slow)"
+    elif any(sign in text for sign in GONE_SIGNS):
+        what = "lost its connection to a peer (it died or was killed: its own output says why)"
+    else:
+        return None
+    rank = f"rank {torch.distributed.get_rank()}" if torch.distributed.is_initialized() else "this process"
+    # gloo's own words, without its source location ("[.../unbound_buffer.cc:78] Timed out ...")
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0] if str(error).strip() else "")
+    return (
+        f"error: {RunPosition.describe()}: {collective_waited_for(error)} {what}; seen by {rank}"
+        f" ({detail[:160] or type(error).__name__}). Continue with --resume_from_checkpoint auto once every"
+        ' process can run (docs/troubleshooting.md, "A peer did not answer, or was lost")'
+    )
+
+
+def collective_waited_for(error: BaseException) -> str:
+    """Which collective the process was waiting in, and where in our code, from the traceback: the
+    innermost torch.distributed call; else backward (DDP's gradient all-reduce runs in C++ hooks);
+    else what TrainStream said it was waiting for (an asynchronous all-reduce's wait())."""
+    frames = traceback.extract_tb(error.__traceback__)
+    scripts_dir = str(Path(__file__).resolve().parents[1])
+    ours = [f for f in frames if f.filename.startswith(scripts_dir)]
+    where = f" at {Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else ""
+    c10d = [f.name for f in frames if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")]
+    torch_dist = [f.name for f in frames if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename]
+    if c10d:
+        name = c10d[-1]
+    elif any(f"{os.sep}torch{os.sep}autograd{os.sep}" in f.filename for f in frames):
+        name = "all_reduce (gradient sync in backward)"
+    elif RunPosition.waiting:
+        name = RunPosition.waiting
+    elif torch_dist:
+        name = f"a collective (in torch.distributed's {torch_dist[-1]})"
+    else:
+        name = "a collective"
+    return name + where
 
 
 def report_to_launcher(message: str) -> None:
@@ -123,6 +194,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--n_embd", type=int, help="override the preset's width")
     g.add_argument("--block_size", type=int, help="override the preset's context length")
     g.add_argument("--dropout", type=float, help="dropout probability (default: the preset's, 0)")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each transformer block (after TP and activation checkpointing, before FSDP): faster "
+        "steps after a first one that waits for the compiler",
+    )
     add_data_args(p)
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log_every", type=int, default=10, help="write a train record every N steps")
@@ -220,6 +297,7 @@ def make_accelerator(args, sharded: str | None = None, **accelerator_kwargs):
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1; a plain `python` run shares the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     use_cpu = args.cpu or not torch.cuda.is_available()
+    RunPosition.collective_timeout = args.collective_timeout
     init_restart_safe_group(use_cpu, timedelta(seconds=args.collective_timeout))
     accelerator = Accelerator(
         cpu=use_cpu,

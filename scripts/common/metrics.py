@@ -52,6 +52,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def ring_allreduce_bytes(n_bytes: float, n_ranks: int) -> float:
     """Bytes each rank sends (and receives) in a ring all-reduce: reduce-scatter then all-gather,
     each moving (N-1)/N of the buffer."""
@@ -151,7 +157,8 @@ class RunLog:
         accelerator.init_trackers(name, config=config)  # Accelerate: trackers (--report_to)
         self.bar = self.layout = self.throughput = None  # start() makes them
         self._logged = False
-        self.run_start = self._step_start = time.perf_counter()
+        self.run_start = time.perf_counter()
+        self.step, self._stretch_start = start_step, None
 
     def start(
         self, model_config, n_params: int, data, strategy_lines: list[str], resume_path=None, layout=None
@@ -207,12 +214,32 @@ class RunLog:
         )
 
     # --- what -------------------------------------------------------------------------------
+    # Training time is measured over stretches of consecutive steps, each between two device
+    # synchronisations: on a GPU the host runs ahead of the kernels, and a clock read per step
+    # would count queued work in the next step, or in the evaluation after it
+    # (docs/troubleshooting.md, "Throughput timers on a GPU"). A stretch ends before anything
+    # that is not training (a record, an evaluation, a checkpoint, the end), so those never count.
     def step_start(self) -> None:
-        self._step_start = time.perf_counter()
+        if self._stretch_start is None:
+            synchronize(self.accelerator.device)
+            self._stretch_start = time.perf_counter()
 
     def step_end(self) -> None:
-        self.throughput.add(self.tokens_per_step, time.perf_counter() - self._step_start)
+        self.step += 1
+        self.throughput.add(self.tokens_per_step, 0.0)
+        step = self.step
+        if self.step == self.start_step + 1 and self.args.compile:
+            self._end_stretch()
+            self.write(f"step {step} took {self.throughput.total[1]:.1f} s, torch.compile's compilation included")
+        elif self.is_log_step(step) or self.is_eval_step(step) or self.is_checkpoint_step(step):
+            self._end_stretch()
         self.bar.update(1)
+
+    def _end_stretch(self) -> None:
+        if self._stretch_start is not None:
+            synchronize(self.accelerator.device)
+            self.throughput.add(0, time.perf_counter() - self._stretch_start)
+            self._stretch_start = None
 
     def train(self, step: int, loss: float, lr: float, grad_norm, **extra) -> dict:
         """One train record; `grad_norm` is None when --max_grad_norm 0 turned clipping off."""
@@ -257,9 +284,12 @@ class RunLog:
 
     def summary(self, step: int, preempted: bool = False, **figures) -> dict:
         """The run's last record; prints it with where the model (or the checkpoint) is."""
+        self._end_stretch()  # a preempted run stops after any step
         self.bar.close()
         if preempted:
             figures["preempted"] = True
+        if self.args.compile:  # how many graphs torch.compile made (0: it compiled nothing)
+            figures["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         summary = {
             "type": "summary",
             "steps": step - self.start_step,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from torch.distributed.tensor import DTensor
 
-from .errors import UsageError
+from .errors import RunPosition, UsageError
 from .model import GPTConfig
 
 
@@ -35,24 +35,48 @@ def model_config_from_args(args) -> GPTConfig:
     return cfg
 
 
+def compile_blocks(model, accelerator) -> None:
+    """--compile: `torch.compile` each transformer block, torchtitan's way. After TP and activation
+    checkpointing, which change what a block computes, and before FSDP, whose gather and
+    reduce-scatter hooks then stay outside the compiled code (dynamo skips FSDP2's hooks). In
+    place (`Module.compile`), so parameter names, and so checkpoints, do not change. Every block
+    runs the same code on the same shapes: the first one's compilation serves the others."""
+    blocks = list(model.blocks.values())
+    accelerator.print(
+        f"--compile: compiling the {len(blocks)} transformer block(s) of this rank with torch.compile; the first "
+        "step (and the first evaluation) waits for the compiler: a minute or more on a CPU, seconds once cached"
+    )
+    for block in blocks:
+        block.compile()
+
+
 def make_optimizer(model, args) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not biases, norms), or plain SGD.
 
     Sharded models hold DTensor parameters, often beside plain ones, or DTensors on different
     meshes and placements. The multi-tensor (`foreach`) kernels need one kind per parameter
-    group, and turning them off makes sharded runs slow on GPUs (docs/troubleshooting.md,
-    "Slow or failing optimizer with DTensor parameters"): so every kind, (mesh, placements) or
-    plain, gets its own group, and `foreach` stays at torch's default."""
+    group, and without them every parameter of every step goes through DTensor dispatch one op
+    at a time (docs/troubleshooting.md, "Slow or failing optimizer with DTensor parameters"). So
+    every kind, (mesh, placements) or plain, gets its own group, and the kernels are asked for:
+    - on CUDA, with every parameter there, AdamW's fused kernel (one launch per group);
+    - elsewhere, with DTensor parameters, `foreach`, which torch's default turns off for
+      DTensors (and on the CPU): one dispatch per op per group instead of per parameter.
+    Plain parameters off CUDA keep torch's default, the single-tensor loop."""
+    params = list(model.parameters())
     groups: dict[tuple, list] = {}
-    for p in model.parameters():
+    for p in params:
         kind = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
         groups.setdefault((p.dim() >= 2, kind), []).append(p)
     param_groups = [
         {"params": params, "weight_decay": args.weight_decay if decay else 0.0} for (decay, _), params in groups.items()
     ]
+    on_cuda = all(p.device.type == "cuda" for p in params)
+    kernels = {"foreach": True} if any(isinstance(p, DTensor) for p in params) else {}
     if args.optimizer == "sgd":
-        return torch.optim.SGD(param_groups, lr=args.learning_rate)
-    return torch.optim.AdamW(param_groups, lr=args.learning_rate, betas=(0.9, 0.95))
+        return torch.optim.SGD(param_groups, lr=args.learning_rate, **kernels)
+    if on_cuda:
+        kernels = {"fused": True}
+    return torch.optim.AdamW(param_groups, lr=args.learning_rate, betas=(0.9, 0.95), **kernels)
 
 
 def make_scheduler(optimizer, args, min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
@@ -95,6 +119,7 @@ class TrainStream:
         self.accelerator, self.loader, self.sampler = accelerator, loader, sampler
         self.global_batch_size, self.grad_accum = global_batch_size, gradient_accumulation_steps
         self.epoch, self.samples_in_epoch = progress["epoch"], progress["samples_in_epoch"]
+        self.step = progress["step"]  # steps handed out so far: named if a peer is lost (RunPosition)
         self.samples_per_epoch = len(sampler)  # a whole number of global batches
         self.dp_group = dp_group  # None: all processes are data-parallel ranks
         # Preemption: SIGTERM (what SLURM and Kubernetes send before they kill a job) or Ctrl-C on
@@ -144,8 +169,12 @@ class TrainStream:
         """This rank's micro-batches of the next optimizer step, and the target count of the global
         batch."""
         window, count, stop, works = self._next
+        self.step += 1
+        RunPosition.step = self.step
+        RunPosition.waiting = "all_reduce (the step's target count)"
         for work in works:
             work.wait()
+        RunPosition.waiting = None
         self.preempted = bool(stop.item() > 0)  # the same on every rank: this is the last step
         self._next = self._fetch()  # the next step's count travels while this step computes
         self.samples_in_epoch += self.global_batch_size
@@ -156,8 +185,11 @@ class TrainStream:
     def close(self) -> None:
         """Let the count started for the step after the last one finish (before teardown), and give
         SIGTERM and SIGINT their handlers back."""
+        RunPosition.finished = True
+        RunPosition.waiting = "all_reduce (the step's target count)"
         for work in self._next[3]:
             work.wait()
+        RunPosition.waiting = None
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
 
@@ -182,33 +214,29 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     A DTensor gradient may come out of backward in another placement than its parameter (a
     replicated LayerNorm weight under sequence parallel gets a Partial sum from each sequence
     slice): it is first brought to the parameter's placement, which the optimizer needs anyway.
-    Then each rank sums the squares of its local pieces; pieces sharded over a mesh dimension
-    are summed over it, replicated ones counted once; then the pipeline stages are summed."""
+    Then torch's own DTensor-aware pieces do the rest: `get_total_norm` per kind of gradient
+    (one (mesh, placements) pair, or plain tensors) gives a norm that is partial over the sharded
+    mesh dimensions; `full_tensor()` reduces it, one all-reduce per kind; the pipeline stages'
+    squares are summed; `clip_grads_with_norm_` scales every gradient with multi-tensor kernels.
+    (docs/troubleshooting.md, "Gradient clipping with sharded gradients")"""
     max_norm = max_norm or float("inf")
     parameters = [p for p in parameters if p.grad is not None]
+    kinds: dict[tuple, list] = defaultdict(list)
     for p in parameters:
         if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-    device = parameters[0].grad.device
-    buckets: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
-    for p in parameters:
-        if isinstance(p.grad, DTensor):  # Shard or _StridedShard (FSDP x TP) dimensions are summed over
-            sharded_dims = tuple(i for i, placement in enumerate(p.placements) if not placement.is_replicate())
-            buckets[(p.device_mesh, sharded_dims)] += p.grad.to_local().double().pow(2).sum()
-        else:
-            buckets[(None, ())] += p.grad.double().pow(2).sum()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for (mesh, sharded_dims), squares in buckets.items():
-        for dim in sharded_dims:
-            dist.all_reduce(squares, group=mesh.get_group(dim))
-        total += squares
+        kinds[(p.device_mesh, p.placements) if isinstance(p.grad, DTensor) else None].append(p)
+    squares = []
+    for params in kinds.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double().pow(2))
+    total = torch.stack(squares).sum()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
     norm = total.sqrt().float()
     if max_norm != float("inf"):
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in parameters:
-            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(scale.to(p.grad.dtype))
+        for params in kinds.values():  # a multi-tensor kernel takes one kind of tensor
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
 
 

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""How often a finished multi-process run exits non-zero: each multi-process script, N times (default
+30) on 2 or 4 ranks with the tiny model for 2 steps, counting exit codes other than 0. Prints a
+table, writes benchmarks/results/exits.json. On 2 shared cores a run took 30 to 110 s (5 runs
+of each: 34 minutes), so 30 runs of each take hours there.
+
+    python benchmarks/bench_exits.py [--runs 30] [--scripts train_fsdp train_tp] [--full_teardown]
+
+Every run is a complete, correct run: what is counted is the exit. `--full_teardown` sets
+TRAIN_FULL_TEARDOWN=1, which makes the scripts exit through Python's and C++'s normal teardown
+instead of `os._exit(0)` (docs/fault-tolerance.md, "Clean exits"): it measures whether the
+workaround is still needed.
+"""
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from harness import ENV, REPO, accelerate_cmd
+
+RESULTS = REPO / "benchmarks" / "results"
+TINY = ["--model_size", "tiny", "--max_steps", "2", "--eval_every", "0", "--eval_batch_size", "250"]
+# (script, ranks, its flags): every multi-process script, the sharded ones with DeviceMesh sub-groups
+CASES = {
+    "train_ddp": (2, []),
+    "train_localsgd": (2, []),
+    "train_fsdp": (2, []),
+    "train_tp": (2, []),
+    "train_pp": (2, []),
+    "train_hybrid": (4, ["--dp_shard", "2", "--tp_size", "2"]),
+}
+
+
+def run_once(script: str, nproc: int, flags: list[str], out: Path, full_teardown: bool) -> tuple[int, str]:
+    """One run; returns its exit code and, when it is not 0, the last lines of its output."""
+    cmd = accelerate_cmd(f"scripts/{script}.py", [*TINY, *flags, "--output_dir", str(out)], nproc)
+    env = {**ENV, "PYTHONWARNINGS": "ignore", **({"TRAIN_FULL_TEARDOWN": "1"} if full_teardown else {})}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    tail = "" if result.returncode == 0 else "\n".join((result.stdout + result.stderr).splitlines()[-5:])
+    return result.returncode, tail
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=30, help="runs per script")
+    p.add_argument("--scripts", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--full_teardown", action="store_true", help="exit through the normal teardown (no os._exit)")
+    args = p.parse_args()
+    start, rows = time.monotonic(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for script in args.scripts:
+            nproc, flags = CASES[script]
+            codes, seconds, tails = Counter(), time.monotonic(), []
+            for i in range(args.runs):
+                code, tail = run_once(script, nproc, flags, Path(tmp) / f"{script}_{i}", args.full_teardown)
+                codes[code] += 1
+                if tail:
+                    tails.append(tail)
+            rows.append(
+                {
+                    "script": script,
+                    "ranks": nproc,
+                    "runs": args.runs,
+                    "non_zero_exits": args.runs - codes[0],
+                    "exit_codes": {str(k): v for k, v in sorted(codes.items())},
+                    "seconds_per_run": round((time.monotonic() - seconds) / args.runs, 1),
+                    "first_failure": tails[0] if tails else None,
+                }
+            )
+            print(f"{script}: {rows[-1]['non_zero_exits']} of {args.runs} non-zero", flush=True)
+    total_s = round(time.monotonic() - start)
+    print("\n| script | ranks | runs | non-zero exits | exit codes | s/run |\n|---|---|---|---|---|---|")
+    for r in rows:
+        codes = ", ".join(f"{k}: {v}" for k, v in r["exit_codes"].items())
+        print(
+            f"| {r['script']} | {r['ranks']} | {r['runs']} | {r['non_zero_exits']} | {codes} | {r['seconds_per_run']} |"
+        )
+    mode = "full teardown (no os._exit)" if args.full_teardown else "as shipped (os._exit after a finished run)"
+    print(f"\n{mode}; {sum(r['non_zero_exits'] for r in rows)} non-zero of {sum(r['runs'] for r in rows)}; {total_s} s")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / ("exits_full_teardown.json" if args.full_teardown else "exits.json")
+    # a run of some --scripts replaces their rows and keeps the others'
+    kept = json.loads(path.read_text())["scripts"] if path.exists() else []
+    rows = [r for r in kept if r["script"] not in args.scripts] + rows
+    total = round(sum(r["seconds_per_run"] * r["runs"] for r in rows))
+    path.write_text(json.dumps({"mode": mode, "total_seconds": total, "scripts": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

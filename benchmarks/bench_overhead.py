@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Host overhead per step of every training script, against DDP's: world size 1 on the CPU, the
+`tiny` model at batch 1, where a step is almost all host work (Python, DTensor dispatch, hooks,
+optimizer launches) and almost no arithmetic. A sharded script that is slow here is slow on a
+GPU, where the device waits for the host. Prints a table, writes benchmarks/results/overhead.json.
+About 3 minutes on 2 cores.
+
+    python benchmarks/bench_overhead.py [--steps 200] [--repeats 3]
+
+Each script runs as one process (`python scripts/X.py`; the sharded ones build a one-process
+group), one thread. ms/step is the training-step time of the run's summary record (evaluation,
+start-up and checkpoints left out), after the first quarter of the run; the runs are interleaved and the median of
+`--repeats` is reported. The goal: every sharded script at most 1.3x DDP.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from harness import REPO, run_quiet
+
+RESULTS = REPO / "benchmarks" / "results"
+SCRIPTS = {
+    "DDP": ("train_ddp.py", []),
+    "FSDP": ("train_fsdp.py", []),
+    "TP": ("train_tp.py", []),
+    "PP": ("train_pp.py", ["--n_microbatches", "1"]),  # batch 1: one micro-batch
+    "hybrid": ("train_hybrid.py", []),
+    "Local SGD": ("train_localsgd.py", []),
+    # torch.compile per block takes the Python out of each block's forward and backward (DTensor
+    # dispatch under TP included); compared with DDP compiled the same way
+    "DDP --compile": ("train_ddp.py", ["--compile"]),
+    "FSDP --compile": ("train_fsdp.py", ["--compile"]),
+    "TP --compile": ("train_tp.py", ["--compile"]),
+}
+GOAL = 1.3
+
+
+def ms_per_step(script: str, extra: list[str], out: Path, steps: int) -> float:
+    """Training-step time per step after the first quarter of the run (which holds the first
+    step, and with --compile the compilation)."""
+    args = ["--model_size", "tiny", "--batch_size", "1", "--max_steps", str(steps), "--warmup_steps", "10"]
+    args += ["--eval_every", "0", "--log_every", str(steps // 4), "--output_dir", str(out), *extra]
+    run_quiet([sys.executable, f"scripts/{script}", *args], PYTHONWARNINGS="ignore")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in records if r["type"] == "summary")
+    tokens_per_step = summary["tokens_per_sec"] * summary["train_time_s"] / summary["steps"]
+    windows = [r["tokens_per_sec"] for r in records if r["type"] == "train"][1:]
+    return 1000 * tokens_per_step * statistics.mean(1 / t for t in windows)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each script (interleaved); the median is reported")
+    p.add_argument("--only", nargs="*", choices=list(SCRIPTS), help="measure these runs only (DDP always runs)")
+    p.add_argument("--output", default=str(RESULTS / "overhead.json"), help="where to write the figures")
+    args = p.parse_args()
+    names = [n for n in SCRIPTS if n in ("DDP", "DDP --compile") or not args.only or n in args.only]
+    runs = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for name in names:
+                script, extra = SCRIPTS[name]
+                out = Path(tmp) / f"{script}-{repeat}"
+                runs[name].append(round(ms_per_step(script, extra, out, args.steps), 3))
+                print(f"{name} run {repeat + 1}: {runs[name][-1]:.2f} ms/step", flush=True)
+    rows = []
+    for name in names:
+        median = statistics.median(runs[name])
+        ddp = statistics.median(runs["DDP --compile" if "--compile" in name else "DDP"])
+        rows.append(
+            {"run": name, "script": SCRIPTS[name][0], "ms_per_step": round(median, 2), "vs_ddp": round(median / ddp, 2)}
+        )
+        rows[-1]["runs"] = runs[name]
+    print(f"\nhost overhead: tiny model, batch 1, world size 1, {args.steps} steps, median of {args.repeats}")
+    print(f"| {'run':<16} | {'script':<18} | ms/step | vs DDP (goal <= {GOAL}) |")
+    print(f"|{'-' * 18}|{'-' * 20}|---------|----------------------|")
+    for row in rows:
+        flag = "" if row["vs_ddp"] <= GOAL else "  over the goal"
+        print(f"| {row['run']:<16} | {row['script']:<18} | {row['ms_per_step']:7.2f} | {row['vs_ddp']:20.2f} |{flag}")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "rows": rows}, indent=1))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,783 @@
+#!/usr/bin/env python
+"""Plan a layout before the job starts: will it fit, and which split (pipeline x data x tensor) is fastest?
+
+For a model and a number of GPUs, every valid layout pp x dp_replicate x dp_shard x tp (or the
+one you give) is costed the way the training scripts build it, without starting anything:
+
+    per rank:  parameters + gradients + AdamW state    the shapes each rank holds after TP, PP and
+                                                       FSDP cut the model (the same bytes as the
+                                                       runs' state_bytes_per_rank_max)
+             + activations                             what autograd keeps per micro-batch, times the
+                                                       micro-batches the schedule holds in flight
+             + gathered weights and gradients          FSDP's unsharded copies while a block computes
+             = memory, against --gpu_memory_gib        fits, and by how much
+    per step:  each collective's count and bytes, and the link it crosses:
+                   ranks  0 1 2 3 4 5 6 7 | 8 9 ...    mesh dims pp -> dp_replicate -> dp_shard -> tp:
+                          [ one node    ] | [ next     tp groups are consecutive ranks, so TP stays in a
+                                                       node while tp <= --gpus_per_node; the outer
+                                                       groups (FSDP, HSDP, PP) cross nodes once their
+                                                       span exceeds one node
+    step time: a plain roofline: FLOPs / peak, stretched by the pipeline bubble, plus TP and PP
+               transfers (on the critical path) and the part of FSDP/HSDP traffic that computing
+               cannot hide; bytes / bus bandwidth + latency per call, per link
+
+Layouts that fit come first, fastest first. The tests check the plan against real runs: state
+bytes within 1%, first-step collectives exactly, pipeline activations within 25%. Plan it:
+    python scripts/plan_layout.py --model_size 1b --world_size 64 --mixed_precision bf16
+    python scripts/plan_layout.py --model_size 1b --world_size 64 --pp_size 2 --dp_shard 4 --tp_size 8 --json
+Defaults describe H100 SXM nodes of 8 GPUs (80 GB, NVLink inside a node, 400 Gb/s InfiniBand per
+GPU between nodes); --network takes the links measured by scripts/preflight.py instead.
+"""
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from common.errors import UsageError
+from common.launch import HelpFormatter, run_main
+from common.layout import DIMS, FLAGS, Layout
+from common.metrics import ddp_state_bytes
+from common.model import GPT, MODEL_PRESETS, GPTConfig, count_parameters, flops_per_token
+from train_pp import MULTI_STAGE_SCHEDULES, SCHEDULES, bubble_theory, check_pipeline_flags, stage_layers, stages_of_rank
+from train_tp import tensor_parallel_plan
+
+GiB = 2**30
+MiB = 2**20
+# Defaults: H100 SXM, dense peak FLOP/s, and all-reduce bus bandwidths (nccl-tests' busbw) per link
+PEAK_TFLOPS = {"bf16": 989.0, "no": 67.0}  # bf16 tensor cores; plain fp32 (the scripts' default precision)
+DEFAULT_LINKS = {
+    "intra_node": {"bandwidth_GBps": 360.0, "latency_us": 10.0},  # NVLink 4 / NVSwitch, 8 GPUs
+    "inter_node": {"bandwidth_GBps": 40.0, "latency_us": 25.0},  # 400 Gb/s InfiniBand per GPU
+}
+PREFLIGHT_FORMAT = "preflight/1"
+
+
+# ======================================== what each rank holds
+def model_parameters(cfg: GPTConfig) -> tuple[list[dict], int]:
+    """Name, shape and TP placement of every parameter, read from the real model built on the meta
+    device (no memory) and the real TP plan of train_tp.py. `tp_dim`: the dimension TP splits
+    (None: replicated on every TP rank)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan = tensor_parallel_plan(model, sequence_parallel=False, loss_parallel=False)
+    params = []
+    for module_name, module in model.named_modules():
+        style = plan.get(module_name)
+        for short, p in module.named_parameters(recurse=False):
+            tp_dim = None
+            if isinstance(style, ColwiseParallel):  # Linear: output rows (weight and bias); Embedding: columns
+                tp_dim = 1 if isinstance(module, nn.Embedding) else 0
+            elif isinstance(style, RowwiseParallel) and short == "weight":  # Linear: input columns; Embedding: rows
+                tp_dim = 0 if isinstance(module, nn.Embedding) else 1
+            block = int(module_name.split(".")[1]) if module_name.startswith("blocks.") else None
+            params.append({"name": f"{module_name}.{short}", "shape": tuple(p.shape), "tp_dim": tp_dim, "block": block})
+    return params, count_parameters(model)
+
+
+def split_shape(shape: tuple, tp: int, tp_dim: int | None) -> tuple:
+    if tp_dim is None or tp == 1:
+        return shape
+    return tuple(n // tp if i == tp_dim else n for i, n in enumerate(shape))
+
+
+def fsdp_rows(rows: int, dp_shard: int) -> tuple[int, int]:
+    """(rows of the largest shard, rows after padding): fully_shard chunks dim 0 like torch.chunk
+    (rank 0 gets the largest piece) and pads it to dp_shard equal pieces for its collectives."""
+    largest = math.ceil(rows / dp_shard)
+    return largest, largest * dp_shard
+
+
+class RankState:
+    """The parameters one pipeline rank holds (tp rank 0, dp rank 0: the largest shards), grouped
+    into FSDP units: one per block, plus the stage's root (embeddings, final norm, head)."""
+
+    def __init__(self, params: list[dict], layout: Layout, pp_rank: int, stages_per_rank: int, n_layer: int):
+        n_stages = layout.pp * stages_per_rank
+        layers = stage_layers(n_layer, n_stages)
+        self.stages = stages_of_rank(pp_rank, layout.pp, stages_per_rank)
+        self.layers = [i for s in self.stages for i in layers[s]]
+        self.has_first, self.has_last = 0 in self.stages, n_stages - 1 in self.stages
+        keep_root = ({"tok_emb", "pos_emb"} if self.has_first else set()) | (
+            {"ln_f", "lm_head"} if self.has_last else set()
+        )
+        self.units: dict[str, dict] = {}  # unit -> numel held, numel padded (all-gather size), tensors
+        for p in params:
+            if p["block"] is not None:
+                if p["block"] not in self.layers:
+                    continue
+                unit = f"block {p['block']}"
+            elif p["name"].split(".")[0] in keep_root:
+                unit = "root"
+            else:
+                continue
+            shape = split_shape(p["shape"], layout.tp, p["tp_dim"])
+            rest = math.prod(shape[1:])
+            held, padded = fsdp_rows(shape[0], layout.dp_shard)
+            u = self.units.setdefault(unit, {"held": 0, "padded": 0, "full": 0, "tensors": 0})
+            u["held"] += held * rest
+            u["padded"] += padded * rest
+            u["full"] += math.prod(shape)
+            u["tensors"] += 1
+
+    def state_bytes(self, optimizer: str) -> dict:
+        """fp32 parameters, gradients and (AdamW) two moments plus a 4-byte step count per tensor:
+        the scripts keep fp32 master weights under bf16 too."""
+        held = sum(u["held"] for u in self.units.values())
+        tensors = sum(u["tensors"] for u in self.units.values())
+        optim = 8 * held + 4 * tensors if optimizer == "adamw" else 0
+        figures = {"param_bytes": 4 * held, "grad_bytes": 4 * held, "optimizer_bytes": optim}
+        figures["total_bytes"] = sum(figures.values())
+        return figures
+
+    def full_numel(self) -> int:
+        """This rank's parameters gathered over dp_shard (still split by TP)."""
+        return sum(u["full"] for u in self.units.values())
+
+
+# ======================================== activations
+def block_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, tp: int, bf16: bool) -> int:
+    """What autograd keeps for one block and one micro-batch (measured with saved-tensor hooks):
+    the residual stream x and x + attn (fp32 under autocast too), the two LayerNorm outputs, q, k,
+    v, the attention output, the MLP's 4d-wide input and GELU output; plus LayerNorm mean and rstd
+    and attention's log-sum-exp (fp32, small). TP splits everything but the residual stream and
+    the norms' outputs (no sequence parallel); SDPA's fused kernels keep no T x T matrix."""
+    tokens, d = micro_batch * seq_len, cfg.n_embd
+    low = 2 if bf16 else 4  # bytes of a tensor that autocast computes in bf16
+    residual = 2 * tokens * d * 4
+    norm_outputs = 2 * tokens * d * low
+    split = (4 * tokens * d + 8 * tokens * d) * low // tp  # q, k, v, attention out; MLP in and GELU out
+    small = (4 * tokens + tokens * cfg.n_head // tp) * 4
+    return residual + norm_outputs + split + small
+
+
+def stage_activation_bytes(
+    cfg: GPTConfig, rank: RankState, micro_batch: int, seq_len: int, tp: int, bf16: bool, checkpointing: bool
+) -> dict:
+    """Per micro-batch on this pipeline rank: its blocks (or only their inputs, with activation
+    checkpointing), the token ids the embedding keeps, the final norm's input and output, and the
+    stage's output tensor, which the pipeline keeps until that micro-batch's backward."""
+    tokens, d = micro_batch * seq_len, cfg.n_embd
+    block = block_activation_bytes(cfg, micro_batch, seq_len, tp, bf16)
+    per_block = tokens * d * 4 if checkpointing else block
+    kept = len(rank.layers) * per_block
+    if rank.has_first:
+        kept += tokens * 8 + seq_len * 8  # int64 token ids and positions
+    if rank.has_last:
+        kept += 2 * tokens * d * 4 + 2 * tokens * 4  # ln_f input and output, mean, rstd
+    else:
+        kept += tokens * d * 4  # the output sent to the next stage, held until its gradient returns
+    recompute = block if checkpointing and rank.layers else 0  # one block's activations, rebuilt in backward
+    # logits (vocab-wide, gathered under TP) and the loss's fp32 copy and log-softmax: one micro-batch at a time
+    logits = tokens * cfg.vocab_size * ((2 if bf16 else 4) + 8) if rank.has_last else 0
+    return {"per_microbatch": kept, "recompute": recompute, "logits": logits}
+
+
+def microbatches_in_flight(schedule: str, pp: int, pp_rank: int, n_microbatches: int, stages_per_rank: int) -> int:
+    """Micro-batches whose activations one stage of this rank holds at once. GPipe: all of them;
+    1F1B: pp - rank (stage 0 holds most); the interleaved schedules warm up with
+    (v-1) * pp + 2 * (pp - 1 - rank) forwards before the first backward (torch's formula), counted
+    in stages of 1/v the size."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return n_microbatches
+    if schedule == "1f1b":
+        return min(pp - pp_rank, n_microbatches)
+    warmup = (stages_per_rank - 1) * pp + 2 * (pp - 1 - pp_rank)
+    return min(warmup + 1, n_microbatches * stages_per_rank)
+
+
+# ======================================== the order of forwards and backwards, and FSDP's all-gathers
+def rank_order(schedule: str, pp: int, pp_rank: int, n_microbatches: int) -> list[tuple[str, int]]:
+    """Forward and backward of each micro-batch on one stage, in schedule order (one stage per rank)."""
+    m = n_microbatches
+    if schedule == "gpipe" or pp == 1:
+        if pp == 1:  # no pipeline: gradient accumulation, forward then backward per micro-batch
+            return [a for i in range(m) for a in (("F", i), ("B", i))]
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(pp - 1 - pp_rank, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warmup, m)]
+
+
+def fsdp_all_gathers(schedule: str, layout: Layout, pp_rank: int, n_microbatches: int, stages_per_rank: int) -> int:
+    """All-gathers of one FSDP unit per step. Each forward gathers the unit's weights (they are freed
+    after it: reshard after forward) unless they are already gathered; without a pipeline every
+    backward gathers them again. Inside a pipeline, torch keeps them gathered from one backward to
+    the next until the last, so a forward between two backwards finds them there.
+    Interleaved schedules: counted as a gather per forward and per backward (an upper bound)."""
+    if layout.pp > 1 and schedule in MULTI_STAGE_SCHEDULES:
+        return 2 * n_microbatches
+    gathered, count = False, 0
+    for action, _ in rank_order(schedule, layout.pp, pp_rank, n_microbatches):
+        if not gathered:
+            count += 1
+        # after a forward: freed; after a backward: kept inside a pipeline, freed without one
+        gathered = action == "B" and layout.pp > 1
+    return count
+
+
+# ======================================== collectives
+def group_span(layout: Layout, dim: str) -> tuple[int, int]:
+    """(stride between the ranks of one group of `dim`, group size): the mesh is pp ->
+    dp_replicate -> dp_shard -> tp, tp innermost."""
+    inner = DIMS[DIMS.index(dim) + 1 :]
+    return math.prod(getattr(layout, d) for d in inner), getattr(layout, dim)
+
+
+def link_of(layout: Layout, dim: str, gpus_per_node: int) -> str:
+    """intra_node when every group of `dim` lies inside one node: its span (stride x size) tiles a node."""
+    stride, size = group_span(layout, dim)
+    span = stride * (size - 1) + 1
+    return "intra_node" if span <= gpus_per_node and gpus_per_node % (stride * size) == 0 else "inter_node"
+
+
+class Traffic:
+    """Collectives of one rank and one step: (group, kind) -> calls, bytes."""
+
+    def __init__(self):
+        self.items: dict[tuple[str, str], list] = {}
+
+    def add(self, group: str, kind: str, calls: int, nbytes: float) -> None:
+        if calls:
+            item = self.items.setdefault((group, kind), [0, 0.0])
+            item[0] += calls
+            item[1] += calls * nbytes
+
+    def merged(self, other: "Traffic") -> "Traffic":
+        total = Traffic()
+        for source in (self, other):
+            for (group, kind), (calls, nbytes) in source.items.items():
+                total.add(group, kind, calls, nbytes / calls)
+        return total
+
+    def by_kind(self) -> dict:
+        """In the format of the runs' collectives_first_step_rank0: {kind: {calls, mib}}."""
+        kinds: dict[str, list] = {}
+        for (_, kind), (calls, nbytes) in self.items.items():
+            k = kinds.setdefault(kind, [0, 0.0])
+            k[0] += calls
+            k[1] += nbytes
+        return {k: {"calls": c, "mib": round(b / MiB, 4)} for k, (c, b) in sorted(kinds.items())}
+
+
+def forward_tp_traffic(traffic: Traffic, cfg: GPTConfig, rank: RankState, tokens: int, bf16: bool) -> None:
+    """Forward of one micro-batch under TP: the embedding's partial sums (fp32), one all-reduce after
+    attention and one after the MLP per block (Megatron's g), the logits all-gathered at the head."""
+    act = 2 if bf16 else 4
+    if rank.has_first:
+        traffic.add("tp", "all_reduce", 1, tokens * cfg.n_embd * 4)
+    traffic.add("tp", "all_reduce", 2 * len(rank.layers), tokens * cfg.n_embd * act)
+    if rank.has_last:
+        traffic.add("tp", "all_gather", 1, tokens * cfg.vocab_size * act)
+
+
+def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16: bool) -> tuple[Traffic, Traffic]:
+    """(every step, the first step's extra) for one rank of pipeline position `pp_rank`."""
+    m = args.n_microbatches
+    micro_batch = args.batch_size // m
+    tokens = micro_batch * args.seq_len
+    act = 2 if bf16 else 4
+    step, first = Traffic(), Traffic()
+    if layout.tp > 1:
+        for _ in range(m):
+            forward_tp_traffic(step, cfg, rank, tokens, bf16)
+        # backward (Megatron's f): the input gradient of attention and MLP per block, of the head
+        step.add("tp", "all_reduce", m * 2 * len(rank.layers), tokens * cfg.n_embd * act)
+        step.add("tp", "all_reduce", m * rank.has_last, tokens * cfg.n_embd * act)
+    if layout.dp > 1:
+        gathers = fsdp_all_gathers(args.schedule, layout, pp_rank, m, args.stages_per_rank)
+        param_bytes = 2 if bf16 else 4  # FSDP gathers in the compute dtype and reduces in fp32
+        for unit in rank.units.values():
+            if layout.dp_shard > 1:
+                step.add("dp_shard", "all_gather", gathers, unit["padded"] * param_bytes)
+                step.add("dp_shard", "reduce_scatter", 1, unit["padded"] * 4)  # once, after the last backward
+            if layout.dp_replicate > 1:  # HSDP: the shards' gradients averaged over the replicas
+                step.add("dp_replicate", "all_reduce", 1, unit["padded"] // layout.dp_shard * 4)
+    if layout.pp > 1:
+        boundary = tokens * cfg.n_embd * 4  # the residual stream crosses stages, fp32 under autocast too
+        n_stages = layout.pp * args.stages_per_rank
+        for s in rank.stages:  # looped placement: a stage's neighbours are always on other ranks
+            if s < n_stages - 1:  # activations to the next stage, their gradients back
+                step.add("pp", "send", m, boundary)
+                step.add("pp", "recv", m, boundary)
+            if s > 0:  # activations from the previous stage, their gradients to it
+                step.add("pp", "recv", m, boundary)
+                step.add("pp", "send", m, boundary)
+        # The first step: the stages agree on shapes (a vote, then metadata each way: 3 sends and 3
+        # receives of a few hundred bytes for stage 0) and run one real forward to learn them.
+        if rank.has_first and args.stages_per_rank == 1:
+            first.add("pp", "send", 3, 0)
+            first.add("pp", "recv", 3, 0)
+            if layout.tp > 1:
+                forward_tp_traffic(first, cfg, rank, tokens, bf16)
+            if layout.dp_shard > 1:
+                for unit in rank.units.values():
+                    first.add("dp_shard", "all_gather", 1, unit["padded"] * (2 if bf16 else 4))
+    return step, first
+
+
+def collective_seconds(kind: str, nbytes: float, calls: int, size: int, link: dict) -> float:
+    """Bus-bandwidth time (nccl-tests' convention): all-reduce moves 2(n-1)/n of the buffer,
+    all-gather and reduce-scatter (n-1)/n of the full buffer, send/recv all of it; plus latency."""
+    factor = {"all_reduce": 2 * (size - 1) / size, "all_gather": (size - 1) / size, "reduce_scatter": (size - 1) / size}
+    moved = nbytes * factor.get(kind, 1.0)
+    return moved / (link["bandwidth_GBps"] * 1e9) + calls * link["latency_us"] * 1e-6
+
+
+# ======================================== one layout
+def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dict:
+    bf16 = args.mixed_precision == "bf16"
+    m = args.n_microbatches
+    micro_batch = args.batch_size // m
+    state = {k: 0 for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")}
+    per_pp_rank, traffic = [], []
+    for pp_rank in range(layout.pp):
+        rank = RankState(params, layout, pp_rank, args.stages_per_rank, cfg.n_layer)
+        own = rank.state_bytes(args.optimizer)
+        state = {k: max(state[k], own[k]) for k in state}  # each field's largest rank, as the runs report it
+        act = stage_activation_bytes(
+            cfg, rank, micro_batch, args.seq_len, layout.tp, bf16, args.activation_checkpointing
+        )
+        in_flight = microbatches_in_flight(args.schedule, layout.pp, pp_rank, m, args.stages_per_rank)
+        per_stage = act["per_microbatch"] / len(rank.stages)
+        pipeline_act = per_stage * in_flight if layout.pp > 1 else act["per_microbatch"]
+        # FSDP's gathered copies: two blocks' weights at a time (one computing, the next prefetched)
+        # and one block's full gradient before its reduce-scatter. Inside a pipeline the weights stay
+        # gathered from one backward to the next; with several micro-batches the gradients stay
+        # unsharded until the last backward.
+        gathered = 0
+        if layout.dp_shard > 1:
+            biggest = max(u["full"] for u in rank.units.values())
+            weights = (rank.full_numel() if layout.pp > 1 else 2 * biggest) * (2 if bf16 else 4)
+            grads = (rank.full_numel() if m > 1 else biggest) * 4
+            gathered = weights + grads
+        memory = own["total_bytes"] + pipeline_act + act["recompute"] + act["logits"] + gathered
+        step, first = rank_traffic(cfg, layout, rank, pp_rank, args, bf16)
+        traffic.append((step, first))
+        per_pp_rank.append(
+            {
+                "pp_rank": pp_rank,
+                "state_bytes": own["total_bytes"],
+                "activation_bytes_per_microbatch": round(per_stage),
+                "microbatches_in_flight": in_flight,
+                "pipeline_activation_bytes": round(pipeline_act),
+                "logits_and_recompute_bytes": act["logits"] + act["recompute"],
+                "fsdp_gathered_bytes": gathered,
+                "memory_bytes": round(memory),
+            }
+        )
+    memory = max(r["memory_bytes"] for r in per_pp_rank)
+    gpu_bytes = args.gpu_memory_gib * GiB
+
+    # ---- the step time: roofline compute, the bubble, and the links' share
+    sizes = {"tp": layout.tp, "pp": layout.pp, "dp_shard": layout.dp_shard, "dp_replicate": layout.dp_replicate}
+    link_names = {group: link_of(layout, group, args.gpus_per_node) for group in sizes}
+    tokens_per_replica = args.batch_size * args.seq_len
+    flops = flops_per_token(cfg, n_params, args.seq_len) * tokens_per_replica / (layout.pp * layout.tp)
+    if args.activation_checkpointing:
+        flops *= 4 / 3  # one more forward of every block: forward 1/3 of a training step's FLOPs
+    peak = args.peak_tflops * 1e12
+    compute_s = flops / peak
+    bubble = bubble_theory(layout.pp, m, args.stages_per_rank) if layout.pp > 1 else 0.0
+    worst = {"exposed": 0.0}
+    for step, _ in traffic:  # the slowest pipeline rank sets the pace
+        seconds = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+        for (group, kind), (calls, nbytes) in step.items.items():
+            t = collective_seconds(kind, nbytes, calls, sizes[group], links[link_names[group]])
+            seconds["dp" if group.startswith("dp") else group] += t
+        exposed = seconds["tp"] + seconds["pp"] + max(0.0, seconds["dp"] - compute_s)  # FSDP overlaps compute
+        if exposed >= worst["exposed"]:
+            worst = {"exposed": exposed, **seconds}
+    step_s = compute_s / (1 - bubble) + worst["exposed"]
+    tokens_per_s = tokens_per_replica * layout.dp / step_s
+
+    step0, first0 = traffic[0]
+    comm = [
+        {
+            "group": group,
+            "kind": kind,
+            "calls": calls,
+            "bytes": round(nbytes),
+            "link": link_names[group],
+        }
+        for (group, kind), (calls, nbytes) in sorted(step0.items.items())
+    ]
+    return {
+        "layout": layout.describe(),
+        "state_bytes_per_rank_max": state,
+        "ddp_state_bytes_per_rank": ddp_state_bytes(n_params, args.optimizer),
+        "per_pp_rank": per_pp_rank,
+        "memory_bytes_per_rank_max": memory,
+        "gpu_memory_bytes": gpu_bytes,
+        "fits": memory <= gpu_bytes,
+        "headroom_bytes": gpu_bytes - memory,
+        "collectives_per_step_rank0": comm,
+        "collectives_first_step_rank0": step0.merged(first0).by_kind(),
+        "links": {group: link_names[group] for group, size in sizes.items() if size > 1},
+        "compute_s": round(compute_s, 6),
+        "bubble": round(bubble, 4),
+        "tp_s": round(worst.get("tp", 0.0), 6),
+        "pp_s": round(worst.get("pp", 0.0), 6),
+        "dp_s": round(worst.get("dp", 0.0), 6),
+        "step_time_s": round(step_s, 6),
+        "tokens_per_s": round(tokens_per_s, 1),
+        "mfu": round(flops_per_token(cfg, n_params, args.seq_len) * tokens_per_s / (peak * layout.world_size), 4),
+        "global_batch_size": args.batch_size * layout.dp,
+    }
+
+
+# ======================================== which layouts
+def candidate_layouts(world_size: int, fixed: dict) -> list[Layout]:
+    """Every pp x dp_replicate x dp_shard x tp = world_size that agrees with the fixed degrees."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    found = []
+    for pp, dp_replicate, tp in itertools.product(divisors, repeat=3):
+        others = pp * dp_replicate * tp
+        if world_size % others:
+            continue
+        degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": world_size // others, "tp": tp}
+        if all(fixed[d] is None or fixed[d] == degrees[d] for d in DIMS):
+            found.append(Layout(**degrees, world_size=world_size))
+    return found
+
+
+def layout_args(layout: Layout, args) -> argparse.Namespace:
+    """The flags as this layout's run would take them: with --global_batch_size, each data-parallel
+    rank's share of it becomes --batch_size."""
+    if not args.global_batch_size:
+        return args
+    if args.global_batch_size % layout.dp:
+        raise UsageError(
+            f"--global_batch_size {args.global_batch_size} does not split over {layout.dp} data-parallel ranks"
+        )
+    return argparse.Namespace(**{**vars(args), "batch_size": args.global_batch_size // layout.dp})
+
+
+def why_invalid(layout: Layout, cfg: GPTConfig, args) -> str | None:
+    """The training scripts' own checks (layout.py, train_pp.py): None when the layout can run."""
+    try:
+        layout.check_model(cfg, args.stages_per_rank)
+        if args.batch_size % args.n_microbatches:
+            raise UsageError(
+                f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches}"
+            )
+        if layout.pp > 1:
+            check_pipeline_flags(layout, cfg.n_layer, args)
+        elif args.stages_per_rank > 1:
+            raise UsageError(f"--schedule {args.schedule} needs a pipeline (--pp_size 2 or more)")
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def ranking_key(record: dict):
+    """Layouts that fit first, then the fastest (tokens per second)."""
+    return (not record["fits"], -record["tokens_per_s"])
+
+
+# ======================================== input
+def read_network(path: str) -> dict:
+    """The links measured by scripts/preflight.py: all-reduce bus bandwidth (1e9 bytes/s) and
+    latency inside a node and between nodes; a link it could not measure (null) keeps its default."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UsageError(
+            f"--network {path}: cannot read it ({e.strerror}): give the JSON file preflight.py wrote"
+        ) from None
+    except ValueError as e:
+        raise UsageError(f"--network {path} is not JSON ({e}): give the JSON file preflight.py wrote") from None
+    if not isinstance(result, dict) or result.get("format") != PREFLIGHT_FORMAT:
+        raise UsageError(
+            f'--network {path} is not a preflight result (no "format": "{PREFLIGHT_FORMAT}"): '
+            "give the JSON file preflight.py wrote"
+        )
+    links = {}
+    for name in DEFAULT_LINKS:
+        link = (result.get("links") or {}).get(name)
+        if link is None:
+            continue
+        try:
+            bandwidth, latency = float(link["bandwidth_GBps"]), float(link["latency_us"])
+        except (TypeError, KeyError, ValueError):
+            raise UsageError(
+                f"--network {path}: links.{name} needs numbers bandwidth_GBps and latency_us: "
+                "give the JSON file preflight.py wrote"
+            ) from None
+        if bandwidth <= 0 or latency < 0:
+            raise UsageError(f"--network {path}: links.{name} has bandwidth {bandwidth} GB/s, latency {latency} us")
+        links[name] = {"bandwidth_GBps": bandwidth, "latency_us": latency}
+    return links
+
+
+def build_args() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, epilog=EPILOG)
+    g = p.add_argument_group("model (the training scripts' presets and overrides)")
+    g.add_argument("--model_size", default="1b", help=f"preset: {' | '.join(MODEL_PRESETS)}")
+    g.add_argument("--n_layer", type=int, help="override the preset's layer count")
+    g.add_argument("--n_head", type=int, help="override the preset's head count")
+    g.add_argument("--n_embd", type=int, help="override the preset's width")
+    g.add_argument("--block_size", type=int, help="override the preset's context length")
+    g = p.add_argument_group("machines")
+    g.add_argument("--world_size", type=int, required=True, help="GPUs (processes) of the job")
+    g.add_argument(
+        "--gpus_per_node", type=int, default=8, help="GPUs per machine: where TP, FSDP and PP groups cross nodes"
+    )
+    g.add_argument("--gpu_memory_gib", type=float, default=80, help="memory of one GPU, GiB")
+    g.add_argument(
+        "--peak_tflops",
+        type=float,
+        help="dense peak TFLOP/s of one GPU (default: H100 SXM, 989 with --mixed_precision bf16, 67 in fp32)",
+    )
+    for name, label in (("intra_node", "inside a node"), ("inter_node", "between nodes")):
+        default = DEFAULT_LINKS[name]
+        g.add_argument(
+            f"--{name}_GBps",
+            type=float,
+            help=f"all-reduce bus bandwidth {label}, 1e9 bytes/s "
+            f"(default: --network's measurement, else {default['bandwidth_GBps']:g})",
+        )
+        g.add_argument(
+            f"--{name}_latency_us",
+            type=float,
+            help=f"latency of one collective {label}, microseconds "
+            f"(default: --network's measurement, else {default['latency_us']:g})",
+        )
+    g.add_argument("--network", help="a preflight result (JSON written by scripts/preflight.py): measured links")
+    g = p.add_argument_group("layout (give none to rank every valid one; any you give are kept fixed)")
+    for dim, help_text in (
+        ("pp", "pipeline stages"),
+        ("dp_replicate", "data-parallel replicas (HSDP: replicate across them)"),
+        ("dp_shard", "data-parallel ranks that shard the model (FSDP)"),
+        ("tp", "ranks per tensor-parallel group"),
+    ):
+        g.add_argument(FLAGS[dim], type=int, dest=dim, help=f"{help_text} (default: every value that fits)")
+    g = p.add_argument_group("training step (as the training scripts take it)")
+    g.add_argument(
+        "--batch_size",
+        type=int,
+        default=8,
+        help="samples per data-parallel rank and step, split into --n_microbatches "
+        "(pipeline micro-batches; without a pipeline: gradient accumulation)",
+    )
+    g.add_argument(
+        "--global_batch_size",
+        type=int,
+        help="samples per step for the whole job: each layout's --batch_size becomes its share per data-parallel "
+        "rank, so every layout trains on the same batch (default: --batch_size per data-parallel rank)",
+    )
+    g.add_argument("--seq_len", type=int, help="tokens per sample (default: the model's --block_size)")
+    g.add_argument("--n_microbatches", type=int, default=8, help="micro-batches each --batch_size is split into")
+    g.add_argument("--schedule", default="1f1b", help=f"pipeline schedule: {' | '.join(SCHEDULES)}")
+    g.add_argument("--optimizer", default="adamw", help="adamw | sgd (plain SGD keeps no state)")
+    g.add_argument(
+        "--activation_checkpointing", action="store_true", help="recompute each block's activations in backward"
+    )
+    g.add_argument(
+        "--mixed_precision",
+        default="no",
+        help="no | bf16, as given to accelerate launch: bf16 halves activations and gathered weights "
+        "(master weights, gradients and Adam state stay fp32)",
+    )
+    g = p.add_argument_group("output")
+    g.add_argument("--top", type=int, default=20, help="rows of the table (0: all); --json lists every layout")
+    g.add_argument(
+        "--json", action="store_true", help="also print the records as one JSON list, the last line of stdout"
+    )
+    return p
+
+
+EPILOG = """example:
+  python scripts/plan_layout.py --model_size 1b --world_size 64 --mixed_precision bf16 --batch_size 8
+  python scripts/plan_layout.py --model_size 1b --n_layer 32 --n_embd 4096 --n_head 32 --world_size 64 \\
+      --mixed_precision bf16 --activation_checkpointing --network preflight.json --json
+"""
+
+
+def check_args(args) -> GPTConfig:
+    """One line per bad flag, naming the fix (exit 2)."""
+    if args.model_size not in MODEL_PRESETS:
+        raise UsageError(f"--model_size {args.model_size!r} is not a preset: choose {', '.join(MODEL_PRESETS)}")
+    for flag in (
+        "world_size",
+        "gpus_per_node",
+        "batch_size",
+        "n_microbatches",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+    ):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag} must be at least 1 (got {value})")
+    for dim in DIMS:
+        if getattr(args, dim) is not None and getattr(args, dim) < 1:
+            raise UsageError(
+                f"{FLAGS[dim]} must be at least 1 (got {getattr(args, dim)}); leave it out to try every value"
+            )
+    if args.gpu_memory_gib <= 0:
+        raise UsageError(f"--gpu_memory_gib must be positive (got {args.gpu_memory_gib})")
+    if args.schedule not in SCHEDULES:
+        raise UsageError(f"--schedule {args.schedule!r} is not supported: choose {', '.join(SCHEDULES)}")
+    if args.mixed_precision not in ("no", "bf16"):
+        raise UsageError(f"--mixed_precision {args.mixed_precision!r}: the sharded scripts run no or bf16")
+    if args.optimizer not in ("adamw", "sgd"):
+        raise UsageError(f"--optimizer {args.optimizer!r} is not supported: use adamw or sgd")
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise UsageError(f"--global_batch_size must be at least 1 (got {args.global_batch_size})")
+    if not args.global_batch_size and args.batch_size % args.n_microbatches:
+        raise UsageError(
+            f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches} equal "
+            "micro-batches: use a batch size divisible by it"
+        )
+    cfg = GPTConfig.from_preset(
+        args.model_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size
+    )
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(
+            f"--n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}: "
+            "choose a head count that divides the width"
+        )
+    args.seq_len = args.seq_len or cfg.block_size
+    if not 1 <= args.seq_len <= cfg.block_size:
+        raise UsageError(
+            f"--seq_len {args.seq_len} exceeds the model's --block_size {cfg.block_size}: raise --block_size"
+        )
+    fixed = [getattr(args, d) for d in DIMS if getattr(args, d) is not None]
+    if len(fixed) == len(DIMS):  # all four given: the training scripts' own message when they do not multiply out
+        Layout.from_degrees(
+            args.world_size, pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp
+        )
+    elif args.world_size % math.prod(fixed):
+        given = " x ".join(f"{FLAGS[d]} {getattr(args, d)}" for d in DIMS if getattr(args, d) is not None)
+        raise UsageError(
+            f"{given} = {math.prod(fixed)} does not divide --world_size {args.world_size}: "
+            "choose degrees whose product divides the world size"
+        )
+    args.stages_per_rank = 2 if args.schedule in MULTI_STAGE_SCHEDULES else 1
+    args.gradient_accumulation_steps, args.split_points = 1, None  # what check_pipeline_flags reads
+    args.peak_tflops = args.peak_tflops or PEAK_TFLOPS[args.mixed_precision]
+    if args.peak_tflops <= 0:
+        raise UsageError(f"--peak_tflops must be positive (got {args.peak_tflops})")
+    return cfg
+
+
+def link_settings(args) -> dict:
+    """Defaults, then --network's measurements, then the flags given."""
+    links = {name: dict(values) for name, values in DEFAULT_LINKS.items()}
+    if args.network:
+        links.update(read_network(args.network))
+    for name in links:
+        for key, flag in (("bandwidth_GBps", f"{name}_GBps"), ("latency_us", f"{name}_latency_us")):
+            value = getattr(args, flag)
+            if value is not None:
+                if value <= 0 and key == "bandwidth_GBps" or value < 0:
+                    raise UsageError(f"--{flag} must be positive (got {value})")
+                links[name][key] = value
+    return links
+
+
+# ======================================== output
+def describe(layout: dict) -> str:
+    return "x".join(str(layout[d]) for d in DIMS)
+
+
+def table(records: list[dict], top: int, given: bool) -> str:
+    header = (
+        f"{'#':>3}  {'pp x dpr x dps x tp':<19} {'state':>8} {'activ.':>8} {'total':>8} {'fits':<13} "
+        f"{'tp link':<6} {'comm GB/step':>12} {'step ms':>9} {'tokens/s':>11} {'MFU':>5}"
+    )
+    lines = [header, "-" * len(header)]
+    for i, r in enumerate(records[: top or None] if top else records):
+        worst = max(r["per_pp_rank"], key=lambda x: x["memory_bytes"])
+        activations = worst["pipeline_activation_bytes"] + worst["logits_and_recompute_bytes"]
+        headroom = r["headroom_bytes"] / GiB
+        fits = f"yes +{headroom:.1f}" if r["fits"] else f"NO {headroom:.1f}"
+        tp_link = {"intra_node": "node", "inter_node": "CROSS"}.get(r["links"].get("tp"), "-")
+        comm = sum(c["bytes"] for c in r["collectives_per_step_rank0"]) / 1e9
+        label = ("given " if given and i == 0 else "") + describe(r["layout"])
+        lines.append(
+            f"{r['rank']:>3}  {label:<19} {worst['state_bytes'] / GiB:>7.2f}G {activations / GiB:>7.2f}G "
+            f"{r['memory_bytes_per_rank_max'] / GiB:>7.2f}G {fits:<13} {tp_link:<6} {comm:>12.3f} "
+            f"{r['step_time_s'] * 1e3:>9.1f} {r['tokens_per_s']:>11.0f} {r['mfu']:>5.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    args = build_args().parse_args()
+    cfg = check_args(args)
+    links = link_settings(args)
+    params, n_params = model_parameters(cfg)
+    fixed = {d: getattr(args, d) for d in DIMS}
+
+    valid, reasons = [], {}
+    for layout in candidate_layouts(args.world_size, fixed):
+        try:
+            run_args = layout_args(layout, args)
+        except UsageError as e:
+            reasons[describe(layout.describe())] = str(e)
+            continue
+        reason = why_invalid(layout, cfg, run_args)
+        if reason:
+            reasons[describe(layout.describe())] = reason
+        else:
+            valid.append((layout, run_args))
+    if not valid:
+        example = next(iter(reasons.values()), "")
+        raise UsageError(
+            f"no layout of --world_size {args.world_size} can run this model ({len(reasons)} tried; e.g. {example})"
+        )
+    records = sorted(
+        (plan_layout(cfg, params, n_params, layout, run_args, links) for layout, run_args in valid), key=ranking_key
+    )
+    for rank, record in enumerate(records, 1):
+        record["rank"] = rank
+    given = all(v is not None for v in fixed.values())
+    if given:
+        fixed_layout = {d: fixed[d] for d in DIMS}
+        records.sort(key=lambda r: r["layout"] != fixed_layout)  # the given layout first, then the ranking
+
+    fitting = sum(r["fits"] for r in records)
+    batch_line = (
+        f"{args.global_batch_size} samples per step in all"
+        if args.global_batch_size
+        else f"{args.batch_size} samples per data-parallel rank"
+    )
+    print(
+        f"plan_layout: {args.model_size} model, {n_params / 1e9:.3f}B parameters ({cfg.n_layer} layers x "
+        f"{cfg.n_embd} wide, {cfg.n_head} heads), {args.world_size} GPUs in nodes of {args.gpus_per_node}, "
+        f"{args.gpu_memory_gib:g} GiB each\n"
+        f"  step: {batch_line} of {args.seq_len} tokens in {args.n_microbatches} "
+        f"micro-batches, schedule {args.schedule}, {args.optimizer}, mixed precision {args.mixed_precision}, "
+        f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}\n"
+        f"  roofline: {args.peak_tflops:g} TFLOP/s peak; links "
+        + ", ".join(f"{k} {v['bandwidth_GBps']:g} GB/s + {v['latency_us']:g} us" for k, v in links.items())
+        + f"\n  {len(records)} valid layouts ({len(reasons)} others cannot run this model), {fitting} fit\n"
+    )
+    print(table(records, args.top, given))
+    if args.top and len(records) > args.top:
+        print(f"... {len(records) - args.top} more (--top 0 shows all)")
+    print(
+        "state: parameters + gradients + optimizer state of the largest rank; activ.: activations in flight, "
+        "logits and recomputation; total adds FSDP's gathered copies; comm: rank 0's collectives per step"
+    )
+    if args.json:
+        print(json.dumps(records))
+
+
+if __name__ == "__main__":
+    run_main(main)

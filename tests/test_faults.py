@@ -1,0 +1,181 @@
+"""A kill in the middle of a save: the previous complete checkpoint survives (`--keep_last 1`
+included), `--resume_from_checkpoint auto` continues from it, and the run ends with the
+uninterrupted run's losses. The save is caught by watching for its temporary directory
+(`checkpoints/.tmp_step_N`), not by a timed guess."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+
+from conftest import (
+    REPO,
+    SCRIPTS,
+    TINY,
+    assert_same_losses,
+    job_env,
+    kill_tree,
+    launch,
+    launch_cmd,
+    read_metrics,
+    train_losses,
+)
+
+sys.path.insert(0, str(SCRIPTS))
+from common import checkpoint  # noqa: E402
+from common.model import GPT, GPTConfig  # noqa: E402
+
+STEPS = 10
+# small is 4 layers x 128: its sharded save lasts long enough to be caught between the appearance
+# of .tmp_step_10 and its rename. Step 10 is the last: its checkpoint is the one killed
+FLAGS = [
+    *TINY,
+    "--model_size",
+    "small",
+    "--max_steps",
+    str(STEPS),
+    "--batch_size",
+    "8",
+    "--checkpoint_every",
+    "5",
+    "--keep_last",
+    "1",
+    "--resume_from_checkpoint",
+    "auto",
+]
+
+
+def kill_rank_during_save(script: str, args: list[str], out, step: int, rank: int) -> str:
+    """Launch on 2 processes; the moment checkpoints/.tmp_step_<step> appears, SIGKILL `rank`.
+    Returns the launch's stderr."""
+    proc = subprocess.Popen(
+        launch_cmd(script, [*args, "--output_dir", str(out)], nproc=2),
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    tmp = out / "checkpoints" / f".tmp_step_{step}"
+    try:
+        deadline = time.monotonic() + 240
+        while not tmp.is_dir():  # a tight poll: the save lasts a fraction of a second
+            assert time.monotonic() < deadline and proc.poll() is None, "the run ended before the save"
+            time.sleep(0.001)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if script in " ".join(p.cmdline())]
+        victim = next(p for p in workers if p.environ().get("RANK") == str(rank))
+        victim.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0, "the launch must report the killed rank"
+        return err
+    finally:
+        kill_tree(proc.pid)
+
+
+def test_kill_during_a_sharded_save_resumes_from_the_previous_checkpoint(tmp_path, data_cache):
+    """FSDP on 2 processes (each rank writes its own shards), --keep_last 1: rank 1 is killed while
+    the last step's checkpoint (step 10) is being written. step_5, the only complete checkpoint,
+    must survive and be the one `auto` resumes from. Steps 1-10 of the killed run are an
+    uninterrupted run's: the resumed run's steps 6-10 must equal them."""
+    args = [*FLAGS, "--data_cache_dir", data_cache]
+    out = tmp_path / "run"
+    err = kill_rank_during_save("train_fsdp.py", args, out, step=STEPS, rank=1)
+    # the surviving rank says what happened, in one line (a dead peer: its connections closed)
+    assert re.search(rf"error: step {STEPS}: \S+.* lost its connection to a peer", err), err[-3000:]
+    checkpoints = out / "checkpoints"
+    assert not (checkpoints / f"step_{STEPS}").exists(), (
+        "the kill came after the save completed: the test proved nothing"
+    )
+    assert (checkpoints / "step_5").is_dir(), "--keep_last 1 deleted the only complete checkpoint"
+    uninterrupted = train_losses(out)
+    assert sorted(uninterrupted) == list(range(1, STEPS + 1)), "the killed run logs every step before the save"
+
+    result = launch("train_fsdp.py", [*args, "--output_dir", str(out)], nproc=2)
+    assert f"--resume_from_checkpoint auto: resuming from {checkpoints / 'step_5'}" in result.stdout
+    train = [r for r in read_metrics(out) if r["type"] == "train"]
+    rerun = train[STEPS:]
+    assert [r["step"] for r in rerun] == list(range(6, STEPS + 1)) and rerun[0].get("resumed")
+    assert_same_losses(uninterrupted, {r["step"]: r["loss"] for r in rerun}, range(6, STEPS + 1), tol=1e-5)
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{STEPS}"], "leftovers of the killed save remain"
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ the save's order, in one process
+def one_process_run():
+    """A tiny model, optimizer and schedule, and a stand-in for the Accelerator of one process."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_preset("tiny"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    optimizer.step()  # the optimizer has state to save
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    accelerator = SimpleNamespace(
+        is_main_process=True, process_index=0, num_processes=1, wait_for_everyone=lambda: None
+    )
+    return accelerator, model, optimizer, scheduler
+
+
+def state(step: int) -> dict:
+    config = GPTConfig.from_preset("tiny").to_dict()
+    return {"step": step, "epoch": 0, "samples_in_epoch": 0, "global_batch_size": 8, "world_size": 1} | {
+        "seed": 0,
+        "model_config": config,
+    }
+
+
+def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, monkeypatch):
+    """Every deletion of a checkpoint happens while a newer complete one exists; a save that dies
+    while writing leaves the previous checkpoint readable; the next save clears its leftovers."""
+    accelerator, model, optimizer, scheduler = one_process_run()
+    save = lambda step: checkpoint.save_checkpoint(  # noqa: E731
+        accelerator, model, optimizer, scheduler, state(step), tmp_path, keep_last=1
+    )
+    save(5)
+    deleted = []
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def watched_rmtree(path, *args, **kwargs):
+        if path.name.startswith("step_"):  # a complete checkpoint goes: a newer one must be readable
+            newest = checkpoint.list_checkpoints(tmp_path)[-1]
+            assert newest != path, f"{path.name} deleted while it is the newest complete checkpoint"
+            checkpoint.read_checkpoint_state(newest)
+            deleted.append(path.name)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", watched_rmtree)
+    save(10)
+    assert deleted == ["step_5"]
+
+    def dies_while_writing(state_dict, checkpoint_id, **kwargs):
+        (checkpoint.Path(checkpoint_id) / "__0_0.distcp").parent.mkdir(parents=True, exist_ok=True)
+        (checkpoint.Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise KeyboardInterrupt  # what a kill looks like from here: the save stops midway
+
+    real_dcp_save = checkpoint.dcp.save
+    monkeypatch.setattr(checkpoint.dcp, "save", dies_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        save(15)
+    checkpoints = checkpoint.list_checkpoints(tmp_path)
+    assert [p.name for p in checkpoints] == ["step_10"]
+    assert checkpoint.read_checkpoint_state(tmp_path / "checkpoints" / "step_10")["step"] == 10
+    assert checkpoint.resolve_checkpoint("auto", tmp_path) == tmp_path / "checkpoints" / "step_10"
+    _, fresh_model, fresh_optimizer, fresh_scheduler = one_process_run()
+    with torch.no_grad():
+        fresh_model.lm_head.weight.zero_()
+    loaded = checkpoint.load_checkpoint(accelerator, checkpoints[-1], fresh_model, fresh_optimizer, fresh_scheduler)
+    assert loaded["step"] == 10 and torch.equal(fresh_model.lm_head.weight, model.lm_head.weight)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", real_dcp_save)
+    save(20)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_20"], "the interrupted save's leftovers remain"
+    assert deleted == ["step_5", "step_10"]
+    assert json.loads((tmp_path / "checkpoints" / "step_20" / "trainer_state.json").read_text())["step"] == 20

@@ -1,0 +1,208 @@
+"""plan_layout.py: the plan against real runs (state bytes, first-step collectives, pipeline
+activations), and the planner's own promises: every valid layout, fits or not, --json, --network,
+one-line errors."""
+
+import json
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, SCRIPTS, launch_tiny, run_cmd, summary
+
+sys.path.insert(0, str(SCRIPTS))
+import plan_layout
+
+from common.launch import run_main
+
+NETWORK = REPO / "tests" / "data" / "preflight_2nodes.json"
+ADDITION_TOKENS = 13  # the tiny runs learn 3-digit addition: 13 tokens a sample
+
+
+def plan(monkeypatch, capsys, *flags: str) -> list[dict]:
+    """Run the planner in this process (torch is imported once) and return its --json records."""
+    monkeypatch.setattr(sys, "argv", ["plan_layout.py", *flags, "--json"])
+    plan_layout.main()
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def usage_error(monkeypatch, capsys, *flags: str) -> str:
+    """The planner's exit code 2 and its one stderr line."""
+    monkeypatch.setattr(sys, "argv", ["plan_layout.py", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(plan_layout.main)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- against measurement
+# (script, processes, run flags, the same layout for the planner). Pipelines run micro-batches of 32
+# so that activations, not the weights autograd also keeps, dominate what the run measures.
+RUNS = {
+    "fsdp2": ("train_fsdp.py", 2, ["--batch_size", "8"], ["--dp_shard", "2", "--batch_size", "8"]),
+    "fsdp4": ("train_fsdp.py", 4, ["--batch_size", "4"], ["--dp_shard", "4", "--batch_size", "4"]),
+    "tp2": ("train_tp.py", 2, ["--tp_size", "2", "--batch_size", "8"], ["--tp_size", "2", "--batch_size", "8"]),
+    "pp2": (
+        "train_pp.py",
+        2,
+        ["--pp_size", "2", "--batch_size", "128", "--n_microbatches", "4"],
+        ["--pp_size", "2", "--batch_size", "128", "--n_microbatches", "4"],
+    ),
+    "hsdp2x2": (
+        "train_fsdp.py",
+        4,
+        ["--dp_replicate", "2", "--batch_size", "4"],
+        ["--dp_replicate", "2", "--dp_shard", "2", "--batch_size", "4"],
+    ),
+    "3d2x2x2": (
+        "train_hybrid.py",
+        8,
+        ["--n_layer", "4", "--pp_size", "2", "--dp_shard", "2", "--tp_size", "2", "--batch_size", "128"],
+        ["--n_layer", "4", "--pp_size", "2", "--dp_shard", "2", "--tp_size", "2", "--batch_size", "128"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data_cache):
+    """One real step of the layout; the plan for the same layout gives its state bytes (1%), its
+    first-step collectives (calls exactly; bytes exactly but for the pipeline's first-step shape
+    metadata, a few hundred bytes) and, under a pipeline, each stage's activations (25%)."""
+    script, nproc, run_flags, plan_flags = RUNS[name]
+    out = tmp_path / name
+    launch_tiny(script, out, data_cache, "--max_steps", "1", *run_flags, nproc=nproc)
+    measured = summary(out)
+    degrees = {"--pp_size": "1", "--dp_replicate": "1", "--dp_shard": "1", "--tp_size": "1"}
+    degrees.update({f: v for f, v in zip(plan_flags[::2], plan_flags[1::2], strict=True) if f in degrees})
+    others = [x for f, v in zip(plan_flags[::2], plan_flags[1::2], strict=True) if f not in degrees for x in (f, v)]
+    pipeline = ["--n_microbatches", "4"] if "--pp_size" in plan_flags else ["--n_microbatches", "1"]
+    record = plan(
+        monkeypatch,
+        capsys,
+        *("--model_size", "tiny", "--seq_len", str(ADDITION_TOKENS), "--world_size", str(nproc)),
+        *[x for item in degrees.items() for x in item],
+        *others,
+        *pipeline,
+    )[0]
+    assert record["layout"] == measured["layout"]
+
+    for field, value in measured["state_bytes_per_rank_max"].items():
+        assert record["state_bytes_per_rank_max"][field] == pytest.approx(value, rel=0.01), field
+    if name.startswith("fsdp"):  # ZeRO-3: each rank holds 1/N of DDP's parameters, gradients and Adam state
+        assert measured["ideal_state_bytes_per_rank"] == pytest.approx(
+            measured["ddp_state_bytes_per_rank"]["total_bytes"] / nproc, rel=1e-6
+        )
+        assert 1.0 <= measured["state_vs_ideal"] <= 1.05, measured["state_bytes_per_rank_max"]
+
+    planned, seen = record["collectives_first_step_rank0"], measured["collectives_first_step_rank0"]
+    assert {k: v["calls"] for k, v in planned.items()} == {k: v["calls"] for k, v in seen.items()}
+    for kind, figures in seen.items():
+        metadata = 0.001 if kind in ("send", "recv") else 0.0
+        assert planned[kind]["mib"] - 1e-4 <= figures["mib"] <= planned[kind]["mib"] + 1e-4 + metadata, kind
+
+    if "peak_activation_mib_per_rank" in measured:
+        planned_mib = [r["pipeline_activation_bytes"] / 2**20 for r in record["per_pp_rank"]]
+        for stage, (mine, theirs) in enumerate(zip(planned_mib, measured["peak_activation_mib_per_rank"], strict=True)):
+            assert 0.75 <= mine / theirs <= 1.25, f"stage {stage}: planned {mine:.3f} MiB, measured {theirs:.3f} MiB"
+
+
+# ----------------------------------------------------------------------------- the planner alone
+def test_every_valid_layout_is_listed_once(monkeypatch, capsys):
+    """tiny (2 layers, 4 heads) on 8 ranks: every pp x dp_replicate x dp_shard x tp = 8 with
+    pp <= 2 layers and tp dividing the 4 heads; ranked: fitting first, then by predicted tokens/s."""
+    records = plan(monkeypatch, capsys, "--model_size", "tiny", "--world_size", "8", "--n_microbatches", "2")
+    layouts = sorted(tuple(r["layout"][d] for d in ("pp", "dp_replicate", "dp_shard", "tp")) for r in records)
+    expected = sorted(
+        (pp, dr, ds, tp)
+        for pp in (1, 2)
+        for tp in (1, 2, 4)
+        for dr in (1, 2, 4, 8)
+        for ds in (1, 2, 4, 8)
+        if pp * dr * ds * tp == 8
+    )
+    assert layouts == expected
+    assert [r["rank"] for r in records] == list(range(1, len(records) + 1))
+    speeds = [r["tokens_per_s"] for r in records]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_fits_or_not_by_how_much(monkeypatch, capsys):
+    """The 1b model (1.2B parameters, 16 bytes each with AdamW: 19 GB) on 8 GPUs: plain replicas
+    do not fit in 16 GiB; sharded over 8 they do. The headroom is the memory left (or missing)."""
+    flags = ("--model_size", "1b", "--world_size", "8", "--gpu_memory_gib", "16", "--batch_size", "1")
+    flags += ("--n_microbatches", "1", "--seq_len", "512", "--mixed_precision", "bf16")
+    replicas = plan(monkeypatch, capsys, *flags, "--pp_size", "1", "--dp_replicate", "8", "--dp_shard", "1")
+    sharded = plan(monkeypatch, capsys, *flags, "--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "8")
+    a, b = replicas[0], sharded[0]
+    assert not a["fits"] and a["headroom_bytes"] < 0 and b["fits"] and b["headroom_bytes"] > 0
+    assert a["state_bytes_per_rank_max"]["total_bytes"] == pytest.approx(
+        8 * b["state_bytes_per_rank_max"]["total_bytes"], rel=0.01
+    )
+    assert (
+        a["headroom_bytes"]
+        == a["gpu_memory_bytes"] - a["memory_bytes_per_rank_max"]
+        == 16 * 2**30 - a["memory_bytes_per_rank_max"]
+    )
+
+
+def test_given_degrees_come_first_and_links_follow_the_nodes(monkeypatch, capsys):
+    """TP 8 stays inside an 8-GPU node; TP 16 crosses nodes, and the plan says so and slows it."""
+    flags = ("--model_size", "1b", "--world_size", "32", "--mixed_precision", "bf16", "--batch_size", "8")
+    inside = plan(
+        monkeypatch, capsys, *flags, "--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "4", "--tp_size", "8"
+    )
+    across = plan(
+        monkeypatch, capsys, *flags, "--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "2", "--tp_size", "16"
+    )
+    assert inside[0]["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 8}
+    assert inside[0]["links"] == {"tp": "intra_node", "dp_shard": "inter_node"}
+    assert across[0]["links"]["tp"] == "inter_node"
+    assert across[0]["tp_s"] > 5 * inside[0]["tp_s"]
+
+
+def test_network_file_replaces_the_default_links(monkeypatch, capsys):
+    """A preflight result's intra-node link is used; its null inter-node link keeps the default."""
+    flags = ("--model_size", "1b", "--world_size", "16", "--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "2")
+    flags += ("--tp_size", "8", "--mixed_precision", "bf16")
+    default = plan(monkeypatch, capsys, *flags)[0]
+    measured = plan(monkeypatch, capsys, *flags, "--network", str(NETWORK))[0]
+    # TP runs on the intra-node link only: half the bandwidth (180 vs 360 GB/s), twice the latency
+    assert measured["tp_s"] == pytest.approx(2 * default["tp_s"], rel=0.01)
+    assert measured["dp_s"] == pytest.approx(default["dp_s"], rel=1e-6)  # FSDP crosses nodes: default link
+
+
+def test_json_is_the_last_line_and_1b_on_1024_gpus_takes_seconds(monkeypatch, capsys):
+    start = time.perf_counter()
+    records = plan(monkeypatch, capsys, "--model_size", "1b", "--world_size", "1024", "--mixed_precision", "bf16")
+    assert time.perf_counter() - start < 10
+    assert len(records) > 100 and all(r["layout"] for r in records)
+    # the command line itself: a table, then the JSON list as the last line of stdout
+    result = run_cmd(
+        [sys.executable, str(SCRIPTS / "plan_layout.py"), "--model_size", "tiny", "--world_size", "2", "--json"]
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert any("pp x dpr x dps x tp" in line for line in lines)
+    layouts = [tuple(r["layout"].values()) for r in json.loads(lines[-1])]  # pp, dp_replicate, dp_shard, tp
+    assert sorted(layouts) == [(1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1), (2, 1, 1, 1)]
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (
+            ["--world_size", "8", "--pp_size", "2", "--dp_replicate", "1", "--dp_shard", "2", "--tp_size", "1"],
+            "the degrees' product must equal the world size",
+        ),
+        (["--world_size", "7", "--tp_size", "2"], "does not divide --world_size 7"),
+        (["--world_size", "6", "--tp_size", "3", "--model_size", "tiny"], "--tp_size 3 does not divide"),
+        (["--world_size", "8", "--batch_size", "6", "--n_microbatches", "4"], "--batch_size 6 cannot be split"),
+        (["--world_size", "8", "--seq_len", "4096"], "--seq_len 4096 exceeds"),
+        (["--world_size", "8", "--network", str(REPO / "tests" / "data" / "missing.json")], "--network"),
+        (["--world_size", "8", "--network", str(REPO / "README.md")], "--network"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_flag(flags, says, monkeypatch, capsys):
+    assert says in usage_error(monkeypatch, capsys, *flags)
