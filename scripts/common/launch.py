@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -23,6 +24,8 @@ from .model import MODEL_PRESETS
 def run_main(main) -> None:
     """Run `main()`; turn a UsageError into one line on stderr (from rank 0) and exit 2.
 
+    The other ranks wait a little first (wait_for_rank0_to_report), so the line is not lost.
+
     A finished multi-process run leaves by os._exit(0), once its output is flushed: about one
     exit in ten (more on a loaded machine) of a gloo job that used DeviceMesh sub-groups aborted
     in C++ static destructors after Python had finished ("terminate called without an active
@@ -36,8 +39,9 @@ def run_main(main) -> None:
     try:
         main()
     except UsageError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) != 0 and world_size_from_env() > 1:
+            wait_for_rank0_to_report()
+        print(f"error: {e}", file=sys.stderr, flush=True)
         report_to_launcher(f"error: {e}")
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -63,6 +67,20 @@ def run_main(main) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+# How long a rank other than 0 waits, after a bad-input error, for rank 0 to report it.
+USAGE_ERROR_GRACE_S = 20.0
+
+
+def wait_for_rank0_to_report() -> None:
+    """Most bad input fails the same check on every rank, and rank 0 says so once. A rank that
+    exited first would make the launcher stop rank 0 before it printed its line, so the others
+    wait: when rank 0 exits the launcher ends them (default SIGTERM, not the preemption
+    handler). A rank still alive after the grace period saw an error of its own and prints it."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    time.sleep(USAGE_ERROR_GRACE_S)
 
 
 # What gloo says when a peer stops answering (--collective_timeout passed) or goes away.
