@@ -176,6 +176,28 @@ def reference(tmp_path_factory, data_cache):
     return run
 
 
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory, data_cache):
+    """A multi-process run that several tests check, or compare with, launched once for the whole
+    session: shared_run(script, nproc, *flags) -> its output directory (TINY and the data cache
+    are added). Tests read it and never write into it."""
+    cache: dict[tuple, Path] = {}
+
+    def run(script: str, nproc: int, *flags: str) -> Path:
+        key = (script, nproc, flags)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("shared") / "run"
+            launch_tiny(script, out, data_cache, *flags, nproc=nproc)
+            cache[key] = out
+        return cache[key]
+
+    return run
+
+
+# The run the fault tests (preemption, restart) interrupt, and compare with uninterrupted (shared_run).
+FAULT_RUN = ("--max_steps", "24", "--batch_size", "8")
+
+
 def summary(output_dir) -> dict:
     return next(r for r in read_metrics(output_dir) if r["type"] == "summary")
 
@@ -249,10 +271,9 @@ def evaluate_matches_in_run_eval(run_dir: Path, tmp_path: Path, batch_size: str 
     assert abs(result["eval_loss"] - final["eval_loss"]) < 1e-5 and result["exact_match"] == final["exact_match"]
 
 
-def resume_and_evaluate(script: str, flags: list[str], tmp_path: Path) -> None:
-    """On 2 processes: a run stopped at step 10 and resumed matches the straight run within 1e-6, and
-    evaluate.py on one process reproduces the resumed run's final evaluation."""
-    straight = tmp_path / "straight"
-    launch(script, [*flags, "--output_dir", str(straight)], nproc=2)
+def resume_and_evaluate(script: str, flags: list[str], tmp_path: Path, straight: Path) -> None:
+    """On 2 processes: a run stopped at step 10 and resumed matches the straight run (`straight`, the
+    same flags uninterrupted) within 1e-6, and evaluate.py on one process reproduces the resumed
+    run's final evaluation."""
     resume_matches(script, flags, 2, tmp_path / "resumed", straight, tol=1e-6)
     evaluate_matches_in_run_eval(tmp_path / "resumed", tmp_path)

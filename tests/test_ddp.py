@@ -174,7 +174,7 @@ def test_multi_gpu_launch_without_cuda_joins_one_group(tmp_path, data_cache):
 
 def test_frozen_peer_ends_the_run_after_the_collective_timeout(tmp_path, data_cache):
     """Two machines on loopback; machine 1 freezes mid-run (SIGSTOP: its connections stay open,
-    nothing answers). Machine 0 must fail once --collective_timeout (20 s) has passed, not wait forever,
+    nothing answers). Machine 0 must fail once --collective_timeout (12 s) has passed, not wait forever,
     with one line that names the step and the collective it waited in."""
     out = tmp_path / "run"
     args = [
@@ -186,7 +186,7 @@ def test_frozen_peer_ends_the_run_after_the_collective_timeout(tmp_path, data_ca
         "--data_cache_dir",
         data_cache,
         "--collective_timeout",
-        "20",
+        "12",
         "--output_dir",
         str(out),
     ]
@@ -202,9 +202,9 @@ def test_frozen_peer_ends_the_run_after_the_collective_timeout(tmp_path, data_ca
         _, err = procs[0].communicate(timeout=120)
         assert procs[0].returncode != 0, "machine 0 finished a run whose peer was dead"
         waited = time.monotonic() - start
-        assert 15 < waited < 90, f"machine 0 gave up after {waited:.0f} s, not after the 20 s timeout"
-        # e.g. "error: step 7: all_reduce (gradient sync in backward) at train_ddp.py:111 waited 20 s for a peer ..."
-        line = re.search(r"error: step (\d+): (all_reduce\b[^\n]*) waited 20 s for a peer that did not answer", err)
+        assert 9 < waited < 80, f"machine 0 gave up after {waited:.0f} s, not after the 12 s timeout"
+        # e.g. "error: step 7: all_reduce (gradient sync in backward) at train_ddp.py:111 waited 12 s for a peer ..."
+        line = re.search(r"error: step (\d+): (all_reduce\b[^\n]*) waited 12 s for a peer that did not answer", err)
         assert line, err[-3000:]
         assert int(line.group(1)) >= max(train_losses(out)), "the step named is not the one the run was at"
         assert 'docs/troubleshooting.md, "A peer did not answer, or was lost"' in err

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import TINY, assert_layout, assert_matches_reference, launch, resume_and_evaluate, resume_matches, summary
+from conftest import TINY, assert_layout, assert_matches_reference, resume_and_evaluate, resume_matches, summary
 
 FLAGS = ["--max_steps", "20", "--eval_every", "10", "--eval_batch_size", "64"]
 STEPS = list(range(1, 21))
@@ -17,25 +17,10 @@ STEPS = list(range(1, 21))
         (4, 2, 2, []),
     ],
 )
-def test_matches_single_process(nproc, batch, accum, extra, reference, tmp_path, data_cache):
+def test_matches_single_process(nproc, batch, accum, extra, reference, shared_run):
     """Global batch 16 every time; with accumulation the reduce-scatter runs once per step."""
-    out = tmp_path / "fsdp"
-    launch(
-        "train_fsdp.py",
-        [
-            *TINY,
-            *FLAGS,
-            "--batch_size",
-            str(batch),
-            "--gradient_accumulation_steps",
-            str(accum),
-            *extra,
-            "--data_cache_dir",
-            data_cache,
-            "--output_dir",
-            str(out),
-        ],
-        nproc=nproc,
+    out = shared_run(
+        "train_fsdp.py", nproc, *FLAGS, "--batch_size", str(batch), "--gradient_accumulation_steps", str(accum), *extra
     )
     assert_layout(out, dp_shard=nproc, tp=1, pp=1)
     ref = reference(*FLAGS, "--batch_size", "16")
@@ -44,9 +29,11 @@ def test_matches_single_process(nproc, batch, accum, extra, reference, tmp_path,
         assert summary(out)["collectives_first_step_rank0"]["reduce_scatter"]["calls"] == 3
 
 
-def test_resume_is_exact_and_final_model_evaluates(tmp_path, data_cache):
+def test_resume_is_exact_and_final_model_evaluates(tmp_path, data_cache, shared_run):
     flags = [*TINY, *FLAGS, "--batch_size", "8", "--data_cache_dir", data_cache]
-    resume_and_evaluate("train_fsdp.py", flags, tmp_path)
+    # the uninterrupted run: test_matches_single_process's first case
+    straight = shared_run("train_fsdp.py", 2, *FLAGS, "--batch_size", "8", "--gradient_accumulation_steps", "1")
+    resume_and_evaluate("train_fsdp.py", flags, tmp_path, straight)
 
 
 def test_checkpoint_of_4_ranks_resumes_on_2(tmp_path, reference, data_cache):

@@ -3,24 +3,24 @@ single-process run of the same 4-layer model."""
 
 import pytest
 
-from conftest import TINY, assert_layout, assert_matches_reference, launch, resume_and_evaluate, summary
+from conftest import TINY, assert_layout, assert_matches_reference, resume_and_evaluate, summary
 
 FLAGS = ["--n_layer", "4", "--max_steps", "20", "--batch_size", "16"]  # one evaluation, at the end
 STEPS = list(range(1, 21))
 
 
+def split_points(pp: int, schedule: str) -> list[str]:
+    """An uneven split for one case (the first stage 1 layer, the second 3); the others split evenly."""
+    return ["--split_points", "1"] if (pp, schedule) == (2, "gpipe") else []
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
 @pytest.mark.parametrize("pp", [2, 4])
-def test_matches_single_process(pp, schedule, reference, tmp_path, data_cache):
-    """2 stages: interleaved and zero-bubble hold 2 stages per rank (4 stages of 1 layer);
-    4 stages: one layer per rank. 4 micro-batches of 4."""
-    out = tmp_path / "pp"
+def test_matches_single_process(pp, schedule, reference, shared_run):
+    """2 stages: interleaved and zero-bubble hold 2 stages per rank (4 stages of 1 layer), GPipe
+    splits unevenly (1 layer, then 3); 4 stages: one layer per rank. 4 micro-batches of 4."""
     extra = ["--stages_per_rank", "1"] if pp == 4 else []
-    launch(
-        "train_pp.py",
-        [*TINY, *FLAGS, "--schedule", schedule, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)],
-        nproc=pp,
-    )
+    out = shared_run("train_pp.py", pp, *FLAGS, "--schedule", schedule, *extra, *split_points(pp, schedule))
     assert_layout(out, pp=pp, dp_shard=1, tp=1)
     ref = reference(*FLAGS, "--eval_batch_size", "64")
     # the mean over the global batch, written by rank 0
@@ -37,8 +37,10 @@ def test_matches_single_process(pp, schedule, reference, tmp_path, data_cache):
     assert s["state_bytes_per_rank_max"]["param_bytes"] < s["unsharded_param_bytes"]
 
 
-def test_resume_under_pp_is_exact_and_final_model_evaluates(tmp_path, data_cache):
+def test_resume_under_pp_is_exact_and_final_model_evaluates(tmp_path, data_cache, shared_run):
     """10 + resume 10 == 20 straight, both under PP, within 1e-6; then evaluate.py on one
     process reproduces the run's last evaluation from the consolidated model/."""
-    flags = [*TINY, *FLAGS, "--schedule", "gpipe", "--split_points", "1", "--data_cache_dir", data_cache]
-    resume_and_evaluate("train_pp.py", flags, tmp_path)
+    schedule = ["--schedule", "gpipe", *split_points(2, "gpipe")]
+    flags = [*TINY, *FLAGS, *schedule, "--data_cache_dir", data_cache]
+    straight = shared_run("train_pp.py", 2, *FLAGS, *schedule)  # also a case of the test above
+    resume_and_evaluate("train_pp.py", flags, tmp_path, straight)

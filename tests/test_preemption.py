@@ -9,9 +9,21 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, TINY, assert_same_losses, job_env, kill_tree, launch, launch_cmd, read_metrics, train_losses
+from conftest import (
+    FAULT_RUN,
+    REPO,
+    TINY,
+    assert_same_losses,
+    job_env,
+    kill_tree,
+    launch,
+    launch_cmd,
+    read_metrics,
+    train_losses,
+)
 
-FLAGS = [*TINY, "--max_steps", "30", "--batch_size", "8"]
+FLAGS = [*TINY, *FAULT_RUN]
+STEPS = 24
 
 
 def start_and_preempt(script: str, args: list[str], out, after_step: int = 3) -> subprocess.CompletedProcess:
@@ -44,16 +56,15 @@ def start_and_preempt(script: str, args: list[str], out, after_step: int = 3) ->
 
 
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
-def test_sigterm_checkpoints_exits_0_and_resumes_exactly(script, tmp_path, data_cache):
+def test_sigterm_checkpoints_exits_0_and_resumes_exactly(script, tmp_path, data_cache, shared_run):
     args = [*FLAGS, "--data_cache_dir", data_cache]
-    straight, out = tmp_path / "straight", tmp_path / "preempted"
-    launch(script, [*args, "--output_dir", str(straight)], nproc=2)
+    straight, out = shared_run(script, 2, *FAULT_RUN), tmp_path / "preempted"
 
     result = start_and_preempt(script, args, out)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     stopped = max(train_losses(out))
-    assert 3 <= stopped < 30
+    assert 3 <= stopped < STEPS
     assert f"preempted at step {stopped}: resume with --resume_from_checkpoint auto" in result.stdout
     assert (out / "checkpoints" / f"step_{stopped}").is_dir() and not (out / "model").exists()
     assert read_metrics(out)[-1] == {
@@ -64,6 +75,6 @@ def test_sigterm_checkpoints_exits_0_and_resumes_exactly(script, tmp_path, data_
     }
 
     launch(script, [*args, "--output_dir", str(out), "--resume_from_checkpoint", "auto"], nproc=2)
-    assert sorted(train_losses(out)) == list(range(1, 31))
-    assert_same_losses(train_losses(straight), train_losses(out), list(range(1, 31)), tol=1e-5)
+    assert sorted(train_losses(out)) == list(range(1, STEPS + 1))
+    assert_same_losses(train_losses(straight), train_losses(out), list(range(1, STEPS + 1)), tol=1e-5)
     assert (out / "model" / "model.safetensors").is_file()

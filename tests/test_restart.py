@@ -10,15 +10,12 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, SCRIPTS, TINY, free_port, job_env, kill_tree, launch, read_metrics, train_losses
+from conftest import FAULT_RUN, REPO, SCRIPTS, TINY, free_port, job_env, kill_tree, read_metrics, train_losses
 
 STEPS = 24
 FLAGS = [
     *TINY,
-    "--max_steps",
-    str(STEPS),
-    "--batch_size",
-    "8",
+    *FAULT_RUN,
     "--checkpoint_every",
     "5",
     "--resume_from_checkpoint",
@@ -27,10 +24,9 @@ FLAGS = [
 
 
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
-def test_torchrun_restart_resumes_from_the_newest_checkpoint(script, tmp_path, data_cache):
+def test_torchrun_restart_resumes_from_the_newest_checkpoint(script, tmp_path, data_cache, shared_run):
     args = [*FLAGS, "--data_cache_dir", data_cache]
-    straight, out = tmp_path / "straight", tmp_path / "restarted"
-    launch(script, [*args, "--output_dir", str(straight)], nproc=2)
+    straight, out = shared_run(script, 2, *FAULT_RUN), tmp_path / "restarted"
 
     cmd = [
         sys.executable,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import TINY, assert_layout, assert_matches_reference, launch, resume_and_evaluate, summary
+from conftest import TINY, assert_layout, assert_matches_reference, resume_and_evaluate, summary
 
 # 4-digit addition: 16-token rows, which 2 and 4 ranks can split for sequence parallel;
 # answers have 2 to 6 target tokens, so micro-batches hold unequal target counts.
@@ -31,11 +31,8 @@ STEPS = list(range(1, 21))
         (4, ["--sequence_parallel", "--loss_parallel"]),
     ],
 )
-def test_matches_single_process(nproc, extra, reference, tmp_path, data_cache):
-    out = tmp_path / "tp"
-    launch(
-        "train_tp.py", [*TINY, *FLAGS, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)], nproc=nproc
-    )
+def test_matches_single_process(nproc, extra, reference, shared_run):
+    out = shared_run("train_tp.py", nproc, *FLAGS, *extra)
     assert_layout(out, tp=nproc, dp_shard=1, pp=1)
     ref = reference(*FLAGS)
     assert_matches_reference(ref, out, STEPS)  # evals: reduced over the data-parallel group only, each sample once
@@ -55,6 +52,7 @@ def assert_communication_matches_megatron(s: dict) -> None:
     assert abs(comm["all_reduce"]["mib"] - (4 * n_layer + 2) * activation_mib) < 1e-3
 
 
-def test_resume_is_exact_and_final_model_evaluates(tmp_path, reference, data_cache):
+def test_resume_is_exact_and_final_model_evaluates(tmp_path, data_cache, shared_run):
     flags = [*TINY, *FLAGS, "--data_cache_dir", data_cache, "--sequence_parallel"]
-    resume_and_evaluate("train_tp.py", flags, tmp_path)
+    straight = shared_run("train_tp.py", 2, *FLAGS, "--sequence_parallel")  # also a case of the test above
+    resume_and_evaluate("train_tp.py", flags, tmp_path, straight)
