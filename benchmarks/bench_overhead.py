@@ -65,7 +65,7 @@ def main():
         for repeat in range(args.repeats):
             for name in names:
                 script, extra = SCRIPTS[name]
-                out = Path(tmp) / f"{script}-{repeat}"
+                out = Path(tmp) / f"{name.replace(' ', '_')}-{repeat}"  # one folder per run
                 runs[name].append(round(ms_per_step(script, extra, out, args.steps), 3))
                 print(f"{name} run {repeat + 1}: {runs[name][-1]:.2f} ms/step", flush=True)
     rows = []
