@@ -197,7 +197,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--batch_size", type=int, default=64, help="micro-batch per data-parallel rank")
     g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--optimizer", default="adamw", help="adamw | sgd (plain SGD, no momentum)")
-    g.add_argument("--learning_rate", type=float, default=2e-3, help="peak learning rate")
+    g.add_argument("--learning_rate", type=float, default=1e-3, help="peak learning rate")
     g.add_argument(
         "--weight_decay", type=float, default=0.1, help="decoupled weight decay on matrices (not biases, norms)"
     )
