@@ -10,14 +10,12 @@ benchmarks/results/optimizer.json.
 
 import argparse
 import json
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from harness import REPO, free_port
-from torch.distributed.device_mesh import init_device_mesh
+from harness import REPO, one_process_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -53,10 +51,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per measurement")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (1,))
+    mesh = one_process_mesh()
     shapes = tiny_model_shapes()
     rows = []
     for kind in ("plain", "DTensor"):

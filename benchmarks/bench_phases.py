@@ -13,15 +13,13 @@ It explains bench_overhead.py's ratios: what a sharded script adds per step, and
 
 import argparse
 import json
-import os
 import sys
 import time
 import types
 
 import torch
 import torch.distributed as dist
-from harness import REPO, free_port
-from torch.distributed.device_mesh import init_device_mesh
+from harness import REPO, one_process_mesh
 
 sys.path.insert(0, str(REPO / "scripts"))
 from common.model import GPT, GPTConfig  # noqa: E402
@@ -67,10 +65,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=400, help="steps per kind of model")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (1,))
+    mesh = one_process_mesh()
     rows = []
     for kind in ("plain", "FSDP", "TP"):
         ms = phase_ms(kind, mesh, args.steps)

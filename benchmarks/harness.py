@@ -43,3 +43,16 @@ def accelerate_cmd(script: str, args: list[str], nproc: int | None = None) -> li
 def run_quiet(cmd: list[str], **env: str) -> None:
     """Run `cmd` from the repository root with ENV (plus `env`), output discarded; raise if it fails."""
     subprocess.run(cmd, cwd=REPO, env={**ENV, **env}, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def one_process_mesh():
+    """A one-process gloo group on loopback and its 1-D CPU mesh, for benchmarks that time
+    DTensor or FSDP code in this process, on one thread. Call destroy_process_group() after."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    return init_device_mesh("cpu", (1,))
