@@ -4,6 +4,9 @@ import pytest
 
 from conftest import TINY, assert_layout, assert_matches_reference, resume_and_evaluate, resume_matches, summary
 
+# one xdist worker runs these tests: its parity runs are also the straight runs of its resume tests (shared_run)
+pytestmark = pytest.mark.xdist_group("fsdp")
+
 FLAGS = ["--max_steps", "20", "--eval_every", "10", "--eval_batch_size", "64"]
 STEPS = list(range(1, 21))
 

@@ -5,6 +5,9 @@ import pytest
 
 from conftest import TINY, assert_layout, assert_matches_reference, resume_and_evaluate, summary
 
+# one xdist worker runs these tests: its parity runs are also the straight runs of its resume tests (shared_run)
+pytestmark = pytest.mark.xdist_group("pp")
+
 FLAGS = ["--n_layer", "4", "--max_steps", "20", "--batch_size", "16"]  # one evaluation, at the end
 STEPS = list(range(1, 21))
 

@@ -22,6 +22,9 @@ from conftest import (
     train_losses,
 )
 
+# one xdist worker runs these tests: shares its uninterrupted runs with test_restart.py (shared_run)
+pytestmark = pytest.mark.xdist_group("faults")
+
 FLAGS = [*TINY, *FAULT_RUN]
 STEPS = 24
 

@@ -12,6 +12,9 @@ import pytest
 
 from conftest import FAULT_RUN, REPO, SCRIPTS, TINY, free_port, job_env, kill_tree, read_metrics, train_losses
 
+# one xdist worker runs these tests: shares its uninterrupted runs with test_preemption.py (shared_run)
+pytestmark = pytest.mark.xdist_group("faults")
+
 STEPS = 24
 FLAGS = [
     *TINY,

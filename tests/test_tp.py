@@ -4,6 +4,9 @@ import pytest
 
 from conftest import TINY, assert_layout, assert_matches_reference, resume_and_evaluate, summary
 
+# one xdist worker runs these tests: its parity runs are also the straight runs of its resume tests (shared_run)
+pytestmark = pytest.mark.xdist_group("tp")
+
 # 4-digit addition: 16-token rows, which 2 and 4 ranks can split for sequence parallel;
 # answers have 2 to 6 target tokens, so micro-batches hold unequal target counts.
 FLAGS = [
