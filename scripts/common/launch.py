@@ -18,6 +18,7 @@ import torch
 
 from .data import add_data_args, check_data_args
 from .errors import NothingToDo, RunPosition, UsageError
+from .layout import release_process_groups
 from .model import MODEL_PRESETS
 
 
@@ -26,13 +27,8 @@ def run_main(main) -> None:
 
     The other ranks wait a little first (wait_for_rank0_to_report), so the line is not lost.
 
-    A finished multi-process run leaves by os._exit(0), once its output is flushed: about one
-    exit in ten (more on a loaded machine) of a gloo job that used DeviceMesh sub-groups aborted
-    in C++ static destructors after Python had finished ("terminate called without an active
-    exception"), turning a complete, correct run into exit code -6. Everything the run writes
-    is closed by then (metrics, checkpoints, model/, trackers in end_training).
-    TRAIN_FULL_TEARDOWN=1 exits normally instead, to check whether the workaround is still needed
-    (benchmarks/bench_exits.py --full_teardown; docs/fault-tolerance.md, "Clean exits").
+    Every way out ends the process groups first (end_process_groups): none may be left for the
+    interpreter's shutdown to free (docs/fault-tolerance.md, "Clean exits").
 
     A collective that fails because a peer froze or died ends the run with one line naming the
     step and the collective (lost_peer_line), exit code 1."""
@@ -43,14 +39,12 @@ def run_main(main) -> None:
             wait_for_rank0_to_report()
         print(f"error: {e}", file=sys.stderr, flush=True)
         report_to_launcher(f"error: {e}")
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        end_process_groups()
         sys.exit(2)
     except NothingToDo as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(str(e), flush=True)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        end_process_groups()
         sys.exit(0)
     except BaseException as e:  # CheckpointException (a peer lost during a save) is a BaseException
         line = lost_peer_line(e)
@@ -61,12 +55,17 @@ def run_main(main) -> None:
         report_to_launcher(line)
         sys.stdout.flush()
         os._exit(1)  # tearing the process group down could wait for the lost peer
-    if world_size_from_env() == 1 and torch.distributed.is_initialized():  # the one-process group of a sharded script
+    end_process_groups()
+
+
+def end_process_groups() -> None:
+    """Destroy the process group where the run has not (the one-process group of a sharded
+    script, an early error), then free the groups the meshes still hold. Left to the
+    interpreter's shutdown, gloo's C++ teardown aborted about one finished run in 25 on a loaded
+    machine (release_process_groups)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    if world_size_from_env() > 1 and os.environ.get("TRAIN_FULL_TEARDOWN") != "1":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    release_process_groups()
 
 
 # How long a rank other than 0 waits, after a bad-input error, for rank 0 to report it.

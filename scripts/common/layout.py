@@ -20,6 +20,7 @@ batch; the ranks of one TP group and of one pipeline see the same samples.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -110,6 +111,7 @@ class Layout:
         """Collective: every rank builds the same mesh (one process group per dimension)."""
         self.mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in DIMS), mesh_dim_names=DIMS)
         self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")  # one group over all data-parallel ranks
+        BUILT_MESHES.append(self.mesh)
         return self.mesh
 
     # --- sub-meshes and this rank's place (after build_mesh) ----------------------------
@@ -168,3 +170,22 @@ class Layout:
             rank = int(coords[tuple(idx)])
             lines.append(f"    {rank:>4}  {idx[0]:>3}  {idx[1]:>12}  {idx[2]:>8}  {idx[3]:>2}")
         return "\n".join(lines)
+
+
+# Every mesh built in this process, for release_process_groups().
+BUILT_MESHES: list[DeviceMesh] = []
+
+
+def release_process_groups() -> None:
+    """Free the process groups that the meshes hold, now, while Python is fully alive.
+
+    destroy_process_group() shuts every group down and forgets it, but a DeviceMesh keeps its
+    groups' ProcessGroup objects in its own registry (sub-meshes use their root's), and DTensor's
+    module-level caches keep the meshes. Left alone, those objects are freed only while the
+    interpreter shuts down, and gloo's C++ teardown then sometimes aborted the finished run
+    ("terminate called without an active exception", docs/fault-tolerance.md, "Clean exits").
+    Call it after destroy_process_group()."""
+    for mesh in BUILT_MESHES:
+        mesh._pg_registry.clear()  # sub-meshes, flattened ones included, register in their root's
+    BUILT_MESHES.clear()
+    gc.collect()  # the groups' last references may sit in reference cycles
