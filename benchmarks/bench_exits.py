@@ -2,7 +2,7 @@
 """How often a finished multi-process run exits non-zero: each multi-process script, N times (default
 30) on 2 or 4 ranks with the tiny model for 2 steps, counting exit codes other than 0. Prints a
 table, writes benchmarks/results/exits.json. A run takes 10 to 20 s on 2 idle cores: 30 runs of
-each script take about 40 minutes.
+each script take about 25 minutes with --parallel 2.
 
     python benchmarks/bench_exits.py [--runs 30] [--scripts train_fsdp train_tp] [--parallel 2]
 
