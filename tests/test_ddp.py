@@ -23,6 +23,9 @@ from conftest import (
     train_losses,
 )
 
+# one xdist worker runs these tests: its module fixture launches the runs that most of its tests compare
+pytestmark = pytest.mark.xdist_group("ddp")
+
 FLAGS = ["--max_steps", "20", "--eval_every", "10", "--eval_batch_size", "64"]
 STEPS = list(range(1, 21))
 

@@ -21,6 +21,9 @@ from urllib.parse import unquote
 
 import pytest
 
+# one xdist worker runs these tests: every script's --help is run once (all_help), not once per worker
+pytestmark = pytest.mark.xdist_group("docs")
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"

@@ -19,6 +19,9 @@ from conftest import (
     train_losses,
 )
 
+# one xdist worker runs these tests: its module fixture launches the run that most of its tests check
+pytestmark = pytest.mark.xdist_group("localsgd")
+
 SGD = ["--optimizer", "sgd", "--learning_rate", "0.1", "--max_grad_norm", "0"]
 MERGE = [sys.executable, str(SCRIPTS / "merge_checkpoints.py")]
 

@@ -31,6 +31,9 @@ from conftest import (
     run_cmd,
 )
 
+# one xdist worker runs these tests: its module fixture launches the SLURM job that its tests check
+pytestmark = pytest.mark.xdist_group("slurm")
+
 SBATCH = REPO / "slurm" / "train.sbatch"
 LAUNCH_NODE = REPO / "slurm" / "launch_node.sh"
 JOB_ID = "4242"

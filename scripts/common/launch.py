@@ -4,6 +4,7 @@ detection and the launch-trap checks, seeding, and one-line errors for bad input
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -66,6 +67,10 @@ def end_process_groups() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     release_process_groups()
+    # Nothing is garbage after release_process_groups' collection: move every object to the
+    # permanent generation, so the interpreter's shutdown does not walk the ~3M objects that
+    # torch's modules create once more (about 1 s per process).
+    gc.freeze()
 
 
 # How long a rank other than 0 waits, after a bad-input error, for rank 0 to report it.
