@@ -15,11 +15,25 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _pytest.nodeid import coerce_node_id
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 CPU_MULTI = REPO / "accelerate_configs" / "cpu_multi.yaml"
 LAUNCH_TIMEOUT = 300
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep tests marked xdist_group(name) on one pytest-xdist worker (pytest.ini: --dist loadgroup).
+    xdist 3.8 does it by renaming each test to `<id>@name`, but it writes `item._nodeid`, which
+    pytest 9 no longer reads; without this the marks are ignored and shared runs launch twice."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
+        return
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+            item._id = coerce_node_id(f"{item.nodeid}@{mark.args[0]}")
 
 
 def free_port() -> int:
