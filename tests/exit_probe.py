@@ -6,7 +6,7 @@ how many of the process groups it created are still alive:
 
 atexit handlers run before Python starts tearing modules down, so a group alive then would be
 freed by the interpreter's shutdown: where gloo's C++ teardown used to abort finished runs
-(docs/fault-tolerance.md, "Clean exits"). tests/test_faults.py launches it."""
+(docs/fault-tolerance.md, "Clean exits"). tests/test_exits.py launches it."""
 
 import atexit
 import os
@@ -18,8 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"  # each script puts its own folder on sys.path
 
 created: list[weakref.ref] = []
 make_group = distributed_c10d._new_process_group_helper
