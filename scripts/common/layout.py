@@ -42,6 +42,7 @@ class Layout:
     world_size: int = 1
     mesh: DeviceMesh | None = field(default=None, repr=False)
     dp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    sub_meshes: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_degrees(
@@ -111,12 +112,14 @@ class Layout:
         """Collective: every rank builds the same mesh (one process group per dimension)."""
         self.mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in DIMS), mesh_dim_names=DIMS)
         self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")  # one group over all data-parallel ranks
+        # slicing a mesh builds a new DeviceMesh object each time (~0.7 ms): slice once, here
+        self.sub_meshes = {name: self.mesh[name] for name in DIMS} | {"dp": self.dp_mesh}
         BUILT_MESHES.append(self.mesh)
         return self.mesh
 
     # --- sub-meshes and this rank's place (after build_mesh) ----------------------------
     def sub(self, name: str) -> DeviceMesh:
-        return self.dp_mesh if name == "dp" else self.mesh[name]
+        return self.sub_meshes[name]
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
