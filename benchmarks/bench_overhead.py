@@ -6,11 +6,15 @@ GPU, where the device waits for the host. Prints a table, writes benchmarks/resu
 About 3 minutes on 2 cores.
 
     python benchmarks/bench_overhead.py [--steps 200] [--repeats 3]
+    python benchmarks/bench_overhead.py --nproc 2    # 2 ranks: the strategies' own costs per step
 
 Each script runs as one process (`python scripts/X.py`; the sharded ones build a one-process
-group), one thread. ms/step is the training-step time of the run's summary record (evaluation,
-start-up and checkpoints left out), after the first quarter of the run; the runs are interleaved and the median of
-`--repeats` is reported. The goal: every sharded script at most 1.3x DDP.
+group), one thread. At one rank FSDP and TP have nothing to cut and are not applied (as in
+torchtitan); `--nproc 2` launches 2 processes with `accelerate launch`, where every strategy is
+applied (TP 2, FSDP 2, PP 2 stages), and writes benchmarks/results/overhead_2ranks.json.
+ms/step is the training-step time of the run's summary record (evaluation, start-up and
+checkpoints left out), after the first quarter of the run; the runs are interleaved and the
+median of `--repeats` is reported. The goal: every sharded script at most 1.3x DDP.
 """
 
 import argparse
@@ -20,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import REPO, run_quiet
+from harness import REPO, accelerate_cmd, run_quiet
 
 RESULTS = REPO / "benchmarks" / "results"
 SCRIPTS = {
@@ -39,12 +43,15 @@ SCRIPTS = {
 GOAL = 1.3
 
 
-def ms_per_step(script: str, extra: list[str], out: Path, steps: int) -> float:
+def ms_per_step(script: str, extra: list[str], out: Path, steps: int, nproc: int) -> float:
     """Training-step time per step after the first quarter of the run (which holds the first
     step, and with --compile the compilation)."""
     args = ["--model_size", "tiny", "--batch_size", "1", "--max_steps", str(steps), "--warmup_steps", "10"]
     args += ["--eval_every", "0", "--log_every", str(steps // 4), "--output_dir", str(out), *extra]
-    run_quiet([sys.executable, f"scripts/{script}", *args], PYTHONWARNINGS="ignore")
+    if nproc == 1:
+        run_quiet([sys.executable, f"scripts/{script}", *args], PYTHONWARNINGS="ignore")
+    else:
+        run_quiet(accelerate_cmd(f"scripts/{script}", args, nproc), PYTHONWARNINGS="ignore")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = next(r for r in records if r["type"] == "summary")
     tokens_per_step = summary["tokens_per_sec"] * summary["train_time_s"] / summary["steps"]
@@ -57,8 +64,11 @@ def main():
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=3, help="runs of each script (interleaved); the median is reported")
     p.add_argument("--only", nargs="*", choices=list(SCRIPTS), help="measure these runs only (DDP always runs)")
-    p.add_argument("--output", default=str(RESULTS / "overhead.json"), help="where to write the figures")
+    p.add_argument("--nproc", type=int, default=1, help="processes per run (1: python scripts/X.py)")
+    p.add_argument("--output", help="where to write the figures (default benchmarks/results/overhead[_Nranks].json)")
     args = p.parse_args()
+    default_name = "overhead.json" if args.nproc == 1 else f"overhead_{args.nproc}ranks.json"
+    args.output = args.output or str(RESULTS / default_name)
     names = [n for n in SCRIPTS if n in ("DDP", "DDP --compile") or not args.only or n in args.only]
     runs = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,7 +76,7 @@ def main():
             for name in names:
                 script, extra = SCRIPTS[name]
                 out = Path(tmp) / f"{name.replace(' ', '_')}-{repeat}"  # one folder per run
-                runs[name].append(round(ms_per_step(script, extra, out, args.steps), 3))
+                runs[name].append(round(ms_per_step(script, extra, out, args.steps, args.nproc), 3))
                 print(f"{name} run {repeat + 1}: {runs[name][-1]:.2f} ms/step", flush=True)
     rows = []
     for name in names:
@@ -76,14 +86,16 @@ def main():
             {"run": name, "script": SCRIPTS[name][0], "ms_per_step": round(median, 2), "vs_ddp": round(median / ddp, 2)}
         )
         rows[-1]["runs"] = runs[name]
-    print(f"\nhost overhead: tiny model, batch 1, world size 1, {args.steps} steps, median of {args.repeats}")
+    what = f"tiny model, batch 1, world size {args.nproc}, {args.steps} steps, median of {args.repeats}"
+    print(f"\nhost overhead: {what}")
     print(f"| {'run':<16} | {'script':<18} | ms/step | vs DDP (goal <= {GOAL}) |")
     print(f"|{'-' * 18}|{'-' * 20}|---------|----------------------|")
     for row in rows:
         flag = "" if row["vs_ddp"] <= GOAL else "  over the goal"
         print(f"| {row['run']:<16} | {row['script']:<18} | {row['ms_per_step']:7.2f} | {row['vs_ddp']:20.2f} |{flag}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "rows": rows}, indent=1))
+    figures = {"world_size": args.nproc, "steps": args.steps, "repeats": args.repeats, "rows": rows}
+    Path(args.output).write_text(json.dumps(figures, indent=1))
     print(f"wrote {args.output}")
 
 

@@ -175,14 +175,19 @@ def main():
         apply_activation_checkpointing(model)  # FSDP: less activation memory, one more forward per block
     if args.compile:
         compile_blocks(model, accelerator)  # after activation checkpointing, before fully_shard
-    apply_fsdp(
-        model,
-        [model],
-        layout.fsdp_mesh,
-        accelerator.mixed_precision,  # FSDP: shard every block, then the root
-        reshard_after_forward=args.reshard_after_forward,
-        cpu_offload=args.cpu_offload,
-    )
+    # One rank has nothing to shard: fully_shard would only add its per-block hooks, about 3x DDP's
+    # host time per step (docs/benchmarks.md). Like torchtitan, apply it from 2 ranks on, or to
+    # offload the one copy to CPU memory.
+    shard = layout.dp > 1 or args.cpu_offload
+    if shard:
+        apply_fsdp(
+            model,
+            [model],
+            layout.fsdp_mesh or layout.sub("dp_shard"),
+            accelerator.mixed_precision,  # FSDP: shard every block, then the root
+            reshard_after_forward=args.reshard_after_forward,
+            cpu_offload=args.cpu_offload,
+        )
 
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
@@ -206,12 +211,14 @@ def main():
     # ---------------------------------------- the training loop
     step = start_step = progress["step"]
     log = RunLog(accelerator, args, "train_fsdp", step, layout.world_size, global_batch_size)
-    kind = f"FSDP over {layout.dp_shard} ranks"
-    if layout.dp_replicate > 1:
-        kind = f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards"
     reshard = "on (ZeRO-3)" if args.reshard_after_forward else "off (ZeRO-2 like)"
+    kind = f"FSDP over {layout.dp_shard} ranks; reshard after forward {reshard}"
+    if layout.dp_replicate > 1:
+        kind = f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards; reshard after forward {reshard}"
+    if not shard:
+        kind = "FSDP over 1 rank: nothing to shard, so fully_shard is not applied; launch 2 or more processes to shard"
     costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(model_config, n_params, data, [f"{kind}; reshard after forward {reshard}", costs], resume_path, layout)
+    log.start(model_config, n_params, data, [kind, costs], resume_path, layout)
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
     while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:

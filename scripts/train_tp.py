@@ -213,7 +213,10 @@ def main():
     n_params = count_parameters(model)
 
     # ---------------------------------------- TP: the strategy
-    apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)  # TP: split every block
+    # A TP group of one rank has nothing to split: the plan would only route every op through
+    # DTensor, about 4x DDP's host time per step (docs/benchmarks.md). Like torchtitan, skip it.
+    if layout.tp > 1:
+        apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)  # TP: split blocks
     if args.compile:
         compile_blocks(model, accelerator)  # after the TP split, before FSDP
     if layout.dp > 1:  # processes beyond the TP group: data parallel over the TP groups (FSDP)
@@ -253,8 +256,12 @@ def main():
         f"Megatron's count per step: 4 all-reduces per layer of b*s*d = {megatron_mib:.3f} MiB "
         f"({4 * model_config.n_layer} for {model_config.n_layer} layers); measured below"
     )
+    tp_lines = [tp_line, megatron_line]
+    if layout.tp == 1:
+        fsdp = f" (FSDP over the {layout.dp} ranks)" if layout.dp > 1 else ""
+        tp_lines = [f"tensor parallel: 1 rank per group{fsdp}: nothing to split, so the TP plan is not applied"]
     costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(model_config, n_params, data, [tp_line, megatron_line, costs], resume_path, layout)
+    log.start(model_config, n_params, data, [*tp_lines, costs], resume_path, layout)
     state_bytes, comm = {}, {}  # measured on the first step
     model.train()
     while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:

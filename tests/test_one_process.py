@@ -19,6 +19,12 @@ SCRIPTS_UNDER_TEST = [
     "train_localsgd.py",
 ]
 FLAGS = ["--max_steps", "3", "--batch_size", "8"]
+# one rank has nothing to cut: FSDP and TP are not applied (torchtitan's rule), and the run says so
+SAYS = {
+    "train_fsdp.py": "FSDP over 1 rank: nothing to shard, so fully_shard is not applied",
+    "train_tp.py": "tensor parallel: 1 rank per group: nothing to split, so the TP plan is not applied",
+    "train_hybrid.py": "order: none (one process)",
+}
 
 
 @pytest.mark.parametrize("how", ["python", "accelerate_single"])
@@ -47,6 +53,7 @@ def test_one_process_runs_and_matches_the_reference(script, how, reference, tmp_
     assert (out / "model" / "model.safetensors").is_file()
     assert "model saved to" in result.stdout
     assert "  data addition: 100000 train / 1000 validation samples" in result.stdout  # the data set's name
+    assert SAYS.get(script, "") in result.stdout
     eval_line = next(line for line in result.stdout.splitlines() if line.startswith("step 3: eval_loss"))
     four_digits = r"step 3: eval_loss \d\.\d{1,3}, num_samples 1000, exact_match [\d.e-]{1,9}"  # 4 significant digits
     assert re.fullmatch(four_digits, eval_line), eval_line
