@@ -7,7 +7,8 @@ matplotlib is there).
     python benchmarks/bench_gpu.py --smoke          # the same runs, tiny and short, on the CPU: checks this file
 
 What it runs (bf16 from accelerate_configs/gpu_single.yaml, world size 1; the sharded scripts
-make their one-process group themselves):
+make their one-process group themselves, and leave out FSDP and TP, which have nothing to cut on
+one rank, as torchtitan does):
   1. every training script: `gpt2` (85M), batch 8, `pystdlib` (1,024 tokens), 60 steps;
   2. train_ddp.py with and without --compile: `gpt2-medium` (303M), batch 16;
   3. the main job: train_ddp.py with its defaults (the README's first command, on one GPU).

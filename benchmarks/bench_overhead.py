@@ -63,13 +63,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=3, help="runs of each script (interleaved); the median is reported")
-    p.add_argument("--only", nargs="*", choices=list(SCRIPTS), help="measure these runs only (DDP always runs)")
+    p.add_argument("--only", nargs="*", choices=list(SCRIPTS), help="measure these runs only (and their DDP baseline)")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (1: python scripts/X.py)")
     p.add_argument("--output", help="where to write the figures (default benchmarks/results/overhead[_Nranks].json)")
     args = p.parse_args()
     default_name = "overhead.json" if args.nproc == 1 else f"overhead_{args.nproc}ranks.json"
     args.output = args.output or str(RESULTS / default_name)
-    names = [n for n in SCRIPTS if n in ("DDP", "DDP --compile") or not args.only or n in args.only]
+    chosen = args.only or list(SCRIPTS)
+    compiled = any("--compile" in n for n in chosen)  # DDP, and DDP --compile when a compiled run is chosen
+    names = [n for n in SCRIPTS if n == "DDP" or (n == "DDP --compile" and compiled) or n in chosen]
     runs = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):

@@ -17,6 +17,7 @@ Run it:
     accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 \\
         scripts/train_fsdp.py --model_size gpt2
     ... scripts/train_fsdp.py --dp_replicate 2     # HSDP: shard inside groups, replicate across them
+    python scripts/train_fsdp.py                   # one process: nothing to shard, fully_shard not applied
 Lines marked `# FSDP:` are the strategy; `# Accelerate:` the library's part. Accelerate's own
 FSDP plugin is not used (on CPU it is silently ignored): this file applies FSDP2 itself.
 """

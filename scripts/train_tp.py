@@ -173,7 +173,12 @@ def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__)
     g = parser.add_argument_group("tensor parallel")
-    g.add_argument("--tp_size", type=int, default=-1, help="ranks per TP group (-1: all processes, pure TP)")
+    g.add_argument(
+        "--tp_size",
+        type=int,
+        default=-1,
+        help="ranks per TP group (-1: all processes, pure TP; 1: no TP split, FSDP over all processes)",
+    )
     g.add_argument(
         "--sequence_parallel",
         action="store_true",
