@@ -48,6 +48,8 @@ def ms_per_step(script: str, extra: list[str], out: Path, steps: int, nproc: int
     step, and with --compile the compilation)."""
     args = ["--model_size", "tiny", "--batch_size", "1", "--max_steps", str(steps), "--warmup_steps", "10"]
     args += ["--eval_every", "0", "--log_every", str(steps // 4), "--output_dir", str(out), *extra]
+    if script == "train_pp.py" and nproc > 1:
+        args += ["--schedule", "gpipe"]  # 1F1B needs a micro-batch per stage in flight; batch 1 has one
     if nproc == 1:
         run_quiet([sys.executable, f"scripts/{script}", *args], PYTHONWARNINGS="ignore")
     else:

@@ -211,20 +211,26 @@ def rank_order(schedule: str, pp: int, pp_rank: int, n_microbatches: int) -> lis
     return order + [("B", i) for i in range(m - warmup, m)]
 
 
-def fsdp_all_gathers(schedule: str, layout: Layout, pp_rank: int, n_microbatches: int, stages_per_rank: int) -> int:
-    """All-gathers of one FSDP unit per step. Each forward gathers the unit's weights (they are freed
-    after it: reshard after forward) unless they are already gathered; without a pipeline every
-    backward gathers them again. Inside a pipeline, torch keeps them gathered from one backward to
-    the next until the last, so a forward between two backwards finds them there.
-    Interleaved schedules: counted as a gather per forward and per backward (an upper bound)."""
-    if layout.pp > 1 and schedule in MULTI_STAGE_SCHEDULES:
+def fsdp_all_gathers(
+    schedule: str, layout: Layout, pp_rank: int, n_microbatches: int, reshard_after_forward: bool
+) -> int:
+    """All-gathers of one FSDP unit per step. Each forward gathers the unit's weights unless they
+    are already gathered. A block's are freed after its forward (reshard after forward), so without
+    a pipeline its backward gathers them again; a root's stay gathered into backward, and so do
+    every unit's under a pipeline (the scripts pass reshard_after_forward=False there). Inside a
+    pipeline torch also keeps them gathered from one backward to the next until the last.
+    Interleaved schedules with resharding: counted as a gather per forward and per backward (an
+    upper bound)."""
+    if layout.pp > 1 and schedule in MULTI_STAGE_SCHEDULES and reshard_after_forward:
         return 2 * n_microbatches
     gathered, count = False, 0
     for action, _ in rank_order(schedule, layout.pp, pp_rank, n_microbatches):
         if not gathered:
             count += 1
-        # after a forward: freed; after a backward: kept inside a pipeline, freed without one
-        gathered = action == "B" and layout.pp > 1
+        if action == "F":  # freed after a forward only when resharding
+            gathered = not reshard_after_forward
+        else:  # after a backward: kept inside a pipeline, freed without one
+            gathered = layout.pp > 1
     return count
 
 
@@ -297,11 +303,13 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
         step.add("tp", "all_reduce", m * 2 * len(rank.layers), tokens * cfg.n_embd * act)
         step.add("tp", "all_reduce", m * rank.has_last, tokens * cfg.n_embd * act)
     if layout.dp > 1:
-        gathers = fsdp_all_gathers(args.schedule, layout, pp_rank, m, args.stages_per_rank)
         param_bytes = 2 if bf16 else 4  # FSDP gathers in the compute dtype and reduces in fp32
-        for unit in rank.units.values():
-            if layout.dp_shard > 1:
-                step.add("dp_shard", "all_gather", gathers, unit["padded"] * param_bytes)
+        for name, unit in rank.units.items():
+            reshard = layout.pp == 1 and name != "root"  # what the scripts pass to fully_shard
+            gathers = fsdp_all_gathers(args.schedule, layout, pp_rank, m, reshard)
+            if layout.dp_shard > 1:  # each stage of this rank has its own root: one gather each
+                calls = gathers * (len(rank.stages) if name == "root" else 1)
+                step.add("dp_shard", "all_gather", calls, unit["padded"] * param_bytes * gathers / calls)
                 step.add("dp_shard", "reduce_scatter", 1, unit["padded"] * 4)  # once, after the last backward
             if layout.dp_replicate > 1:  # HSDP: the shards' gradients averaged over the replicas
                 step.add("dp_replicate", "all_reduce", 1, unit["padded"] // layout.dp_shard * 4)

@@ -78,10 +78,12 @@ def apply_fsdp(
     cpu_offload: bool = False,
 ) -> None:
     """One FSDP unit per block, then each root (the whole model, or each pipeline stage) holding
-    what is left: embeddings, final norm, head. A unit's parameters are all-gathered just before
+    what is left: embeddings, final norm, head. A block's parameters are all-gathered just before
     its forward and again before its backward, and its gradients reduce-scattered right after its
-    backward, so only one block is ever unsharded at a time. A 2-D mesh makes it HSDP: replicate
-    over dim 0, shard over dim 1."""
+    backward, so only one block is ever unsharded at a time. A root is gathered once per step:
+    its head runs last in forward and first in backward, so freeing it in between would only
+    gather it again (torch's own default for a root; torchtitan keeps its norm and head the same
+    way). A 2-D mesh makes it HSDP: replicate over dim 0, shard over dim 1."""
     import warnings
 
     # Under TP the root returns the logits as a view of a DTensor's local tensor: FSDP warns that an
@@ -91,14 +93,13 @@ def apply_fsdp(
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {
         "mesh": mesh,
-        "reshard_after_forward": reshard_after_forward,
         "mp_policy": bf16 if mixed_precision == "bf16" else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     for block in model.blocks.values():
-        fully_shard(block, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     for root in roots:
-        fully_shard(root, **kwargs)
+        fully_shard(root, reshard_after_forward=False, **kwargs)
 
 
 def fsdp_forward_backward(accelerator, model, window: list, global_targets: torch.Tensor, dp_size: int) -> torch.Tensor:
@@ -212,7 +213,7 @@ def main():
     # ---------------------------------------- the training loop
     step = start_step = progress["step"]
     log = RunLog(accelerator, args, "train_fsdp", step, layout.world_size, global_batch_size)
-    reshard = "on (ZeRO-3)" if args.reshard_after_forward else "off (ZeRO-2 like)"
+    reshard = "on (ZeRO-3; not the root, used first in backward)" if args.reshard_after_forward else "off (ZeRO-2 like)"
     kind = f"FSDP over {layout.dp_shard} ranks; reshard after forward {reshard}"
     if layout.dp_replicate > 1:
         kind = f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards; reshard after forward {reshard}"

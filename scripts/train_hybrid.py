@@ -125,7 +125,9 @@ def main():
     if args.compile:
         compile_blocks(model, accelerator)  # 4. torch.compile per block
     if layout.dp > 1:
-        apply_fsdp(model, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision)  # 5. FSDP / HSDP
+        # under PP the weights stay gathered for the whole step: one all-gather, not one per micro-batch
+        reshard = layout.pp == 1
+        apply_fsdp(model, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision, reshard)  # 5. FSDP / HSDP
     if layout.pp > 1:
         pipeline = PipelineStep(accelerator, layout, stages, args.schedule, args.n_microbatches, args.loss_parallel)
         forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size

@@ -420,7 +420,9 @@ def main():
     if args.compile:
         compile_blocks(model, accelerator)  # this rank's blocks, before FSDP
     if layout.dp > 1:  # processes beyond one pipeline: data parallel over the pipelines (FSDP per stage)
-        apply_fsdp(model, stages, layout.fsdp_mesh, accelerator.mixed_precision)
+        # several forwards run before their backwards: keep the weights gathered for the whole step,
+        # one all-gather per block instead of one per micro-batch (torchtitan's default under PP)
+        apply_fsdp(model, stages, layout.fsdp_mesh, accelerator.mixed_precision, reshard_after_forward=False)
     pipeline = PipelineStep(
         accelerator, layout, stages, args.schedule, args.n_microbatches
     )  # PP: PipelineStage + schedule
