@@ -131,7 +131,8 @@ def main():
         "--reshard_after_forward",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="free gathered weights after forward and gather again in backward (ZeRO-3); --no-reshard_after_forward "
+        help="free each block's gathered weights after forward and gather them again in backward (ZeRO-3; the root "
+        "stays gathered); --no-reshard_after_forward "
         "keeps them until backward (ZeRO-2 like: more memory, one all-gather less)",
     )
     g.add_argument(
