@@ -3,9 +3,9 @@
 `tiny` model at batch 1, where a step is almost all host work (Python, DTensor dispatch, hooks,
 optimizer launches) and almost no arithmetic. A sharded script that is slow here is slow on a
 GPU, where the device waits for the host. Prints a table, writes benchmarks/results/overhead.json.
-About 3 minutes on 2 cores.
+About 20 minutes on 2 cores (the --compile runs take most of it); --only FSDP TP: 3 minutes.
 
-    python benchmarks/bench_overhead.py [--steps 200] [--repeats 3]
+    python benchmarks/bench_overhead.py [--steps 200] [--repeats 5]
     python benchmarks/bench_overhead.py --nproc 2    # 2 ranks: the strategies' own costs per step
 
 Each script runs as one process (`python scripts/X.py`; the sharded ones build a one-process
@@ -13,8 +13,10 @@ group), one thread. At one rank FSDP and TP have nothing to cut and are not appl
 torchtitan); `--nproc 2` launches 2 processes with `accelerate launch`, where every strategy is
 applied (TP 2, FSDP 2, PP 2 stages), and writes benchmarks/results/overhead_2ranks.json.
 ms/step is the training-step time of the run's summary record (evaluation, start-up and
-checkpoints left out), after the first quarter of the run; the runs are interleaved and the
-median of `--repeats` is reported. The goal: every sharded script at most 1.3x DDP.
+checkpoints left out), after the first quarter of the run. The runs are interleaved, and the
+fastest of `--repeats` is reported (the median beside it): on a shared 2-core VM the same run
+varies by up to 40% from one start to the next, and the slower starts measure the machine, not
+the code. The goal: every sharded script at most 1.3x DDP at world size 1.
 """
 
 import argparse
@@ -64,7 +66,7 @@ def ms_per_step(script: str, extra: list[str], out: Path, steps: int, nproc: int
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each script (interleaved); the median is reported")
+    p.add_argument("--repeats", type=int, default=5, help="runs of each script (interleaved); the fastest is reported")
     p.add_argument("--only", nargs="*", choices=list(SCRIPTS), help="measure these runs only (and their DDP baseline)")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (1: python scripts/X.py)")
     p.add_argument("--output", help="where to write the figures (default benchmarks/results/overhead[_Nranks].json)")
@@ -84,19 +86,28 @@ def main():
                 print(f"{name} run {repeat + 1}: {runs[name][-1]:.2f} ms/step", flush=True)
     rows = []
     for name in names:
-        median = statistics.median(runs[name])
-        ddp = statistics.median(runs["DDP --compile" if "--compile" in name else "DDP"])
+        # the fastest run: what the code costs; slower runs add what else the machine did (timeit's rule)
+        best, baseline = min(runs[name]), min(runs["DDP --compile" if "--compile" in name else "DDP"])
         rows.append(
-            {"run": name, "script": SCRIPTS[name][0], "ms_per_step": round(median, 2), "vs_ddp": round(median / ddp, 2)}
+            {
+                "run": name,
+                "script": SCRIPTS[name][0],
+                "ms_per_step": round(best, 2),
+                "vs_ddp": round(best / baseline, 2),
+                "median_ms_per_step": round(statistics.median(runs[name]), 2),
+                "runs": runs[name],
+            }
         )
-        rows[-1]["runs"] = runs[name]
-    what = f"tiny model, batch 1, world size {args.nproc}, {args.steps} steps, median of {args.repeats}"
+    what = f"tiny model, batch 1, world size {args.nproc}, {args.steps} steps, fastest of {args.repeats} runs"
     print(f"\nhost overhead: {what}")
-    print(f"| {'run':<16} | {'script':<18} | ms/step | vs DDP (goal <= {GOAL}) |")
-    print(f"|{'-' * 18}|{'-' * 20}|---------|----------------------|")
+    print(f"| {'run':<16} | {'script':<18} | ms/step | vs DDP (goal <= {GOAL}) | median ms/step |")
+    print(f"|{'-' * 18}|{'-' * 20}|---------|----------------------|----------------|")
     for row in rows:
         flag = "" if row["vs_ddp"] <= GOAL or args.nproc > 1 else "  over the goal"  # the goal is for one rank
-        print(f"| {row['run']:<16} | {row['script']:<18} | {row['ms_per_step']:7.2f} | {row['vs_ddp']:20.2f} |{flag}")
+        print(
+            f"| {row['run']:<16} | {row['script']:<18} | {row['ms_per_step']:7.2f} | {row['vs_ddp']:20.2f} "
+            f"| {row['median_ms_per_step']:14.2f} |{flag}"
+        )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     figures = {"world_size": args.nproc, "steps": args.steps, "repeats": args.repeats, "rows": rows}
     Path(args.output).write_text(json.dumps(figures, indent=1))
