@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import TINY, assert_layout, assert_matches_reference, resume_and_evaluate, summary
+from conftest import TINY, assert_layout, assert_matches_reference, launch_tiny, resume_and_evaluate, summary
 
 # one xdist worker runs these tests: its parity runs are also the straight runs of its resume tests (shared_run)
 pytestmark = pytest.mark.xdist_group("tp")
@@ -43,6 +43,18 @@ def test_matches_single_process(nproc, extra, reference, shared_run):
     assert s["state_bytes_per_rank_max"]["param_bytes"] < 0.6 * s["unsharded_param_bytes"]  # the big matrices are split
     if extra == ["--loss_parallel"]:
         assert_communication_matches_megatron(s)
+
+
+def test_tp_size_1_trains_fsdp_over_all_ranks(reference, tmp_path, data_cache):
+    """--tp_size 1 on 2 processes: a TP group of one rank has nothing to split, so the plan is not
+    applied and the two ranks train FSDP; the run says so and still matches."""
+    out = tmp_path / "tp1"
+    result = launch_tiny("train_tp.py", out, data_cache, *FLAGS, "--tp_size", "1", "--batch_size", "8", nproc=2)
+    assert "tensor parallel: 1 rank per group (FSDP over the 2 ranks): nothing to split" in result.stdout
+    assert_layout(out, tp=1, dp_shard=2, pp=1)
+    assert_matches_reference(reference(*FLAGS), out, STEPS)
+    assert summary(out)["collectives_first_step_rank0"]["all_gather"]["calls"] == 5  # FSDP's, and no TP all-reduce
+    assert "all_reduce" not in summary(out)["collectives_first_step_rank0"]
 
 
 def assert_communication_matches_megatron(s: dict) -> None:
