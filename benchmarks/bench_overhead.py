@@ -3,7 +3,7 @@
 `tiny` model at batch 1, where a step is almost all host work (Python, DTensor dispatch, hooks,
 optimizer launches) and almost no arithmetic. A sharded script that is slow here is slow on a
 GPU, where the device waits for the host. Prints a table, writes benchmarks/results/overhead.json.
-About 20 minutes on 2 cores (the --compile runs take most of it); --only FSDP TP: 3 minutes.
+About 10 minutes on 2 cores (the --compile runs take most of it); --nproc 2 without them about 9.
 
     python benchmarks/bench_overhead.py [--steps 200] [--repeats 5]
     python benchmarks/bench_overhead.py --nproc 2    # 2 ranks: the strategies' own costs per step

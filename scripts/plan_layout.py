@@ -218,11 +218,7 @@ def fsdp_all_gathers(
     are already gathered. A block's are freed after its forward (reshard after forward), so without
     a pipeline its backward gathers them again; a root's stay gathered into backward, and so do
     every unit's under a pipeline (the scripts pass reshard_after_forward=False there). Inside a
-    pipeline torch also keeps them gathered from one backward to the next until the last.
-    Interleaved schedules with resharding: counted as a gather per forward and per backward (an
-    upper bound)."""
-    if layout.pp > 1 and schedule in MULTI_STAGE_SCHEDULES and reshard_after_forward:
-        return 2 * n_microbatches
+    pipeline torch also keeps them gathered from one backward to the next until the last."""
     gathered, count = False, 0
     for action, _ in rank_order(schedule, layout.pp, pp_rank, n_microbatches):
         if not gathered:
