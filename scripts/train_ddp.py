@@ -21,24 +21,18 @@ Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
 
 import torch
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.data import data_source, load_data, make_eval_loader, make_train_loader
+from common.data import data_source, load_data, make_train_loader
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.metrics import RunLog, evaluate, peak_memory_mb, ring_allreduce_bytes
-from common.model import GPT, count_parameters, cross_entropy_sum
-from common.training import (
-    TrainStream,
-    compile_blocks,
-    make_optimizer,
-    make_scheduler,
-    model_config_from_args,
-    trainer_state,
-)
+from common.model import context_length, count_parameters, language_model
+from common.task import check_loss_is_a_sum
+from common.training import TrainStream, compile_units, make_optimizer, make_scheduler
 
 
 def main():
@@ -46,11 +40,12 @@ def main():
     args = build_parser(__doc__).parse_args()
     args.output_dir = args.output_dir or "runs/ddp"
     check_core_args(args)
-    model_config = model_config_from_args(args)
     grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
+    # On a machine without CUDA, make_accelerator passes Accelerator(cpu=True): without it, the N processes
+    # of a torchrun-style launch would each train alone (docs/troubleshooting.md).
     # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False): Accelerate's default
     # would step it once per process, and the LR would then depend on the number of processes.
     accelerator = make_accelerator(
@@ -64,17 +59,19 @@ def main():
     global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
-    data = load_data(args, accelerator, model_config.block_size)
+    data = load_data(args, accelerator, context_length(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
-    eval_loader = make_eval_loader(data.validation, args.eval_batch_size)
-    resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
 
-    # ---------------------------------------- model
+    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
     set_seed(args.seed)  # Accelerate: seeds python, numpy and torch; same value on every rank
-    model = GPT(model_config).to(accelerator.device)  # the same full model on every rank: the replicas start equal
-    n_params = count_parameters(model)
+    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
+    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    model, task = language_model(args, data)
+    model = model.to(accelerator.device)  # the same full model on every rank: the replicas start equal
+    n_params, model_line = count_parameters(model), task.describe(model)
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
     if args.compile:
-        compile_blocks(model, accelerator)  # each block; DDP's all-reduce hooks stay outside
+        compile_units(task.units(model), accelerator)  # each repeated unit; DDP's all-reduce hooks stay outside
 
     # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)
@@ -83,47 +80,36 @@ def main():
 
     # ---------------------------------------- DDP: the strategy
     # Accelerate: wraps the model in DistributedDataParallel (gradient all-reduce in backward),
-    # moves everything to the device, and shards each loader: rank r takes every dp_size-th micro-batch.
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
-    )
+    # moves everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
 
+    check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress)
+    stream = TrainStream(
+        accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress, task.count_targets
+    )
+    log = RunLog(accelerator, args, "train_ddp", progress["step"], dp_size, global_batch_size)
+    allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
+    ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB"
+    log.start(task, model_line, n_params, data, [f"{ddp_line} = {allreduce_mib:.1f} MiB"], resume_path)
 
     # ---------------------------------------- the training loop
-    step = progress["step"]
-    log = RunLog(accelerator, args, "train_ddp", step, dp_size, global_batch_size)
-    allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
-    log.start(
-        model_config,
-        n_params,
-        data,
-        resume_path=resume_path,
-        strategy_lines=[
-            f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB "
-            f"= {allreduce_mib:.1f} MiB"
-        ],
-    )
+    step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
-    while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
+    while step < last_step and not stream.preempted:
         log.step_start()
-        # The loss is normalised by the target count of the whole global batch (all micro-batches,
-        # all ranks), not by per-micro-batch means, which weight tokens unequally when counts differ.
+        # This rank's micro-batches, and the target count of the whole global batch (all micro-batches,
+        # all ranks): the loss is divided by it, not averaged per micro-batch (which weights targets unequally).
         window, global_targets = stream.next_step()
         loss_sum = torch.zeros((), device=accelerator.device)
         for mb in window:
             with accelerator.accumulate(model):  # Accelerate: skips DDP's all-reduce until the last micro-batch
-                mb_loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
-                # DDP averages gradients over dp_size ranks and accelerator.backward divides by
-                # grad_accum: scale back so the gradient is that of (global loss sum / global targets).
-                accelerator.backward(
-                    mb_loss_sum * dp_size * grad_accum / global_targets
-                )  # Accelerate: backward, DDP: all-reduce
+                mb_loss_sum, _ = task.loss_of(model, mb)
+                # DDP averages gradients over dp_size ranks and accelerator.backward divides by grad_accum:
+                # scale back, so the gradient is that of (global loss sum / global targets). DDP: all-reduce.
+                accelerator.backward(mb_loss_sum * dp_size * grad_accum / global_targets)  # Accelerate: backward
                 loss_sum += mb_loss_sum.detach()
-        grad_norm = (
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm > 0 else None
-        )  # Accelerate: clip
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -131,22 +117,18 @@ def main():
         step += 1
         log.step_end()
 
-        if log.is_log_step(step):
+        if log.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
             log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
-        if log.is_eval_step(step):
-            log.eval(step, evaluate(accelerator, model, eval_loader, data.task))  # gather_for_metrics inside
-        if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
-            state = trainer_state(step, stream, args, model_config, global_batch_size, dp_size)
-            # every rank writes its part (a collective)
-            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
+        if log.due(step, "eval"):
+            log.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
+        if log.due(step, "checkpoint") or stream.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts)
     stream.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:
-        export_model(
-            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model"
-        )  # every rank; main writes
+    if step == args.max_steps:  # every rank; main writes
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")
     peak_mb = accelerator.gather(
         torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device)
     )  # Accelerate: all-gather
@@ -160,7 +142,7 @@ def main():
     )
     # Accelerate: closes trackers and destroys the process group. Free the DDP wrapper first, while
     # every peer is still there: its destructor tears down a gloo group that can wait on a peer.
-    del model, optimizer, scheduler, train_loader, eval_loader, stream
+    del model, optimizer, scheduler, train_loader, stream
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -26,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
 
 import torch
 from accelerate.utils import set_seed
@@ -37,53 +37,45 @@ from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import (
-    CollectiveCounter,
-    RunLog,
-    evaluate_sharded,
-    first_step_line,
-    sharded_start_lines,
-    sharded_summary,
-    training_state_bytes,
-)
-from common.model import GPT, count_parameters, cross_entropy_sum
+from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
+from common.model import context_length, count_parameters, language_model
+from common.task import check_loss_is_a_sum
 from common.training import (
     TrainStream,
     clip_grad_norm_,
-    compile_blocks,
+    compile_units,
     make_optimizer,
     make_scheduler,
-    model_config_from_args,
     shard_loader,
-    trainer_state,
+    unit_modules,
 )
 
 
 # ======================================== FSDP: the strategy
-def apply_activation_checkpointing(model: GPT) -> None:
-    """Recompute each block's activations in backward instead of storing them. The composable
+def apply_activation_checkpointing(units) -> None:
+    """Recompute each unit's activations in backward instead of storing them. The composable
     `checkpoint` adds no wrapper module, so parameter names stay those of the full model."""
     from torch.distributed._composable import checkpoint
 
-    for block in model.blocks.values():
-        checkpoint(block)
+    for unit in unit_modules(units):
+        checkpoint(unit)
 
 
 def apply_fsdp(
-    model: GPT,
+    units,
     roots: list,
     mesh,
     mixed_precision: str = "no",
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
 ) -> None:
-    """One FSDP unit per block, then each root (the whole model, or each pipeline stage) holding
-    what is left: embeddings, final norm, head. A block's parameters are all-gathered just before
-    its forward and again before its backward, and its gradients reduce-scattered right after its
-    backward, so only one block is ever unsharded at a time. A root is gathered once per step:
-    its head runs last in forward and first in backward, so freeing it in between would only
-    gather it again (torch's own default for a root; torchtitan keeps its norm and head the same
-    way). A 2-D mesh makes it HSDP: replicate over dim 0, shard over dim 1."""
+    """One FSDP unit per repeated unit (a block, a decoder layer), then each root (the whole model,
+    or each pipeline stage) holding what is left: embeddings, final norm, head. A unit's parameters
+    are all-gathered just before its forward and again before its backward, and its gradients
+    reduce-scattered right after its backward, so only one unit is ever unsharded at a time. A root
+    is gathered once per step: its head runs last in forward and first in backward, so freeing it in
+    between would only gather it again (torch's own default for a root; torchtitan keeps its norm
+    and head the same way). A 2-D mesh makes it HSDP: replicate over dim 0, shard over dim 1."""
     import warnings
 
     # Under TP the root returns the logits as a view of a DTensor's local tensor: FSDP warns that an
@@ -96,13 +88,13 @@ def apply_fsdp(
         "mp_policy": bf16 if mixed_precision == "bf16" else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    for block in model.blocks.values():
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    for unit in unit_modules(units):
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
     for root in roots:
         fully_shard(root, reshard_after_forward=False, **kwargs)
 
 
-def fsdp_forward_backward(accelerator, model, window: list, global_targets: torch.Tensor, dp_size: int) -> torch.Tensor:
+def fsdp_forward_backward(accelerator, model, task, window: list, global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
     normalised by the target count of the whole global batch; FSDP averages gradients over the
     dp ranks, so it is multiplied by dp (as in train_ddp.py)."""
@@ -111,7 +103,7 @@ def fsdp_forward_backward(accelerator, model, window: list, global_targets: torc
         if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
             model.set_requires_gradient_sync(i == len(window) - 1)
         with accelerator.autocast():  # Accelerate: autocast
-            loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
+            loss_sum, _ = task.loss_of(model, mb)
             accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
@@ -131,7 +123,7 @@ def main():
         "--reshard_after_forward",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="free each block's gathered weights after forward and gather them again in backward (ZeRO-3; the root "
+        help="free each unit's gathered weights after forward and gather them again in backward (ZeRO-3; the root "
         "stays gathered); --no-reshard_after_forward "
         "keeps them until backward (ZeRO-2 like: more memory, one all-gather less)",
     )
@@ -141,16 +133,17 @@ def main():
     g.add_argument(
         "--activation_checkpointing",
         action="store_true",
-        help="recompute each block's activations in backward instead of storing them",
+        help="recompute each unit's activations in backward instead of storing them",
     )
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/fsdp"
     check_core_args(args)
-    model_config = model_config_from_args(args)
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
-    # the scheduler counts optimizer steps, whatever the layout.
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
+    # On a machine without CUDA, make_accelerator passes Accelerator(cpu=True): without it, the N processes
+    # of a torchrun-style launch would each train alone (docs/troubleshooting.md).
+    # The scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded="train_fsdp", step_scheduler_with_optimizer=False)
     layout = Layout.from_degrees(
         accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1
@@ -163,31 +156,35 @@ def main():
         )
 
     # ---------------------------------------- data (checked before anything is written)
-    data = load_data(args, accelerator, model_config.block_size)
+    data = load_data(args, accelerator, context_length(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
-    resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
-    layout.build_mesh(accelerator.device.type)
 
-    # ---------------------------------------- model
+    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
     set_seed(args.seed)  # Accelerate: the same full model on every rank, then sharded: init independent of the layout
-    model = GPT(model_config).to(accelerator.device)
-    n_params = count_parameters(model)
+    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
+    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    model, task = language_model(args, data)
+    model = model.to(accelerator.device)
+    units = task.units(model)  # the repeated units: one FSDP unit each, activation checkpointing, --compile
+    n_params, model_line = count_parameters(model), task.describe(model)
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- FSDP: the strategy
     if args.activation_checkpointing:
-        apply_activation_checkpointing(model)  # FSDP: less activation memory, one more forward per block
+        apply_activation_checkpointing(units)  # FSDP: less activation memory, one more forward per unit
     if args.compile:
-        compile_blocks(model, accelerator)  # after activation checkpointing, before fully_shard
-    # One rank has nothing to shard: fully_shard would only add its per-block hooks, about 3x DDP's
+        compile_units(units, accelerator)  # after activation checkpointing, before fully_shard
+    # One rank has nothing to shard: fully_shard would only add its per-unit hooks, about 3x DDP's
     # host time per step (docs/benchmarks.md). Like torchtitan, apply it from 2 ranks on, or to
     # offload the one copy to CPU memory.
     shard = layout.dp > 1 or args.cpu_offload
     if shard:
         apply_fsdp(
-            model,
+            units,
             [model],
             layout.fsdp_mesh or layout.sub("dp_shard"),
-            accelerator.mixed_precision,  # FSDP: shard every block, then the root
+            accelerator.mixed_precision,  # FSDP: shard every unit, then the root
             reshard_after_forward=args.reshard_after_forward,
             cpu_offload=args.cpu_offload,
         )
@@ -200,6 +197,7 @@ def main():
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
+    check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     stream = TrainStream(
         accelerator,
@@ -208,12 +206,10 @@ def main():
         global_batch_size,
         args.gradient_accumulation_steps,
         progress,
+        task.count_targets,
         dp_group=layout.group("dp"),
     )
-
-    # ---------------------------------------- the training loop
-    step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_fsdp", step, layout.world_size, global_batch_size)
+    log = RunLog(accelerator, args, "train_fsdp", progress["step"], layout.world_size, global_batch_size)
     reshard = "on (ZeRO-3; not the root, used first in backward)" if args.reshard_after_forward else "off (ZeRO-2 like)"
     kind = f"FSDP over {layout.dp_shard} ranks; reshard after forward {reshard}"
     if layout.dp_replicate > 1:
@@ -221,48 +217,38 @@ def main():
     if not shard:
         kind = "FSDP over 1 rank: nothing to shard, so fully_shard is not applied; launch 2 or more processes to shard"
     costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(model_config, n_params, data, [kind, costs], resume_path, layout)
-    state_bytes, comm = {}, {}  # measured on the first step
+    log.start(task, model_line, n_params, data, [kind, costs], resume_path, layout)
+
+    # ---------------------------------------- the training loop
+    step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
-    while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
+    while step < last_step and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
-        # the first step's collectives are counted (not under --compile: a dispatch mode stops it)
-        with CollectiveCounter(enabled=step == start_step and not args.compile) as counter:
-            # FSDP: per block all-gather, compute, and in backward reduce-scatter the gradients
-            loss_sum = fsdp_forward_backward(accelerator, model, window, global_targets, layout.dp)
-        # over the shards: the whole model's norm
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))
+        with log.collectives():  # counts the first step's collectives
+            # FSDP: per unit all-gather, compute, and in backward reduce-scatter the gradients
+            loss_sum = fsdp_forward_backward(accelerator, model, task, window, global_targets, layout.dp)
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # FSDP: each rank updates its own shard
         scheduler.step()
-        if step == start_step:
-            state_bytes, comm = training_state_bytes(model, optimizer), counter.report()
-            log.write(first_step_line(state_bytes, comm))
         optimizer.zero_grad(set_to_none=True)
         step += 1
         log.step_end()
 
-        if log.is_log_step(step):
-            # every rank holds the loss sum of its own micro-batches
-            loss_sum = loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
+        if log.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
             log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
-        if log.is_eval_step(step):
-            model.eval()
-            result = evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
-            model.train()
-            log.eval(step, result)
-        if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
-            state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
-            # every rank writes its part (a collective)
-            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
+        if log.due(step, "eval"):
+            log.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
+        if log.due(step, "checkpoint") or stream.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts)
     stream.close()
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank: gathers the shards
-        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout)
-    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, log.first_step_collectives)
     log.summary(step, preempted=stream.preempted, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group

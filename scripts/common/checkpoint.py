@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .errors import NothingToDo, UsageError
-from .model import GPT, GPTConfig
 
 STATE_FILE = "trainer_state.json"
 # Optimizer state keyed by parameter name ("optim.state.blocks.3.mlp.up_proj.weight.exp_avg"),
@@ -87,8 +86,10 @@ def read_checkpoint_state(path: Path) -> dict:
         dcp.FileSystemReader(str(state_dir)).read_metadata()
         if not (path / "scheduler.pt").is_file():
             raise FileNotFoundError("scheduler.pt")
-        state["step"], state["model_config"], state["global_batch_size"]  # noqa: B018 (must exist)
-    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
+        for key in ("step", "param_shapes", "global_batch_size"):
+            if key not in state:
+                raise KeyError(key)
+    except Exception as e:  # any failure here means the same thing to the user
         raise UsageError(
             f"--resume_from_checkpoint {path}: not a complete, readable checkpoint "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
@@ -96,17 +97,27 @@ def read_checkpoint_state(path: Path) -> dict:
     return state
 
 
-def check_compatible(state: dict, path: Path, model_config: GPTConfig, global_batch_size: int, world_size: int) -> None:
-    saved = GPTConfig.from_dict(state["model_config"])
-    if saved != model_config:
-        diff = ", ".join(
-            f"{k} {getattr(saved, k)} vs {getattr(model_config, k)}"
-            for k in saved.to_dict()
-            if getattr(saved, k) != getattr(model_config, k)
-        )
+def parameter_shapes(model) -> dict[str, list[int]]:
+    """Name and shape of every parameter of the full model (before any strategy cuts it)."""
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def check_compatible(state: dict, path: Path, shapes: dict, global_batch_size: int, world_size: int) -> None:
+    """The checkpoint's model must be this model: the same parameter names and shapes (the first
+    difference is named), and the same global batch."""
+    saved = state["param_shapes"]
+    difference = next(
+        (
+            f"{name}: {saved.get(name, 'absent')} in the checkpoint, {shapes.get(name, 'absent')} in this model"
+            for name in [*shapes, *(n for n in saved if n not in shapes)]
+            if saved.get(name) != shapes.get(name)
+        ),
+        None,
+    )
+    if difference:
         raise UsageError(
-            f"--resume_from_checkpoint {path}: saved by another model ({diff}, checkpoint vs this run)"
-            ": use the same --model_size and overrides"
+            f"--resume_from_checkpoint {path}: saved by another model (first difference: {difference})"
+            ": resume with the model that saved it (the same --model_size and overrides, or the same model config)"
         )
     if state["global_batch_size"] != global_batch_size:
         raise UsageError(
@@ -144,14 +155,25 @@ def clear_output_dir(output_dir) -> None:
             path.unlink()
 
 
-def check_resume_and_output(accelerator, args, model_config: GPTConfig, global_batch_size: int) -> Path | None:
-    """Before anything is written: find and check the checkpoint to resume (if any), refuse to
-    start a new run on top of an old one, and clear the old run on --overwrite_output_dir.
-    Returns the checkpoint directory to resume from, or None."""
+def check_resume_and_output(
+    accelerator, args, model, task, global_batch_size: int, layout=None
+) -> tuple[Path | None, dict]:
+    """Before anything is written (and before the model is cut): find and check the checkpoint to
+    resume (if any), refuse to start a new run on top of an old one, and clear the old run on
+    --overwrite_output_dir. Returns the checkpoint directory to resume from (or None), and the facts
+    every checkpoint of this run records besides the tensors (what a resume must match)."""
+    facts = {
+        "global_batch_size": global_batch_size,
+        "world_size": accelerator.num_processes,
+        "seed": args.seed,
+        "param_shapes": parameter_shapes(model),
+        "model_config": task.config(),
+        **({"layout": layout.describe()} if layout is not None else {}),
+    }
     resume_path = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
         state = read_checkpoint_state(resume_path)
-        check_compatible(state, resume_path, model_config, global_batch_size, accelerator.num_processes)
+        check_compatible(state, resume_path, facts["param_shapes"], global_batch_size, accelerator.num_processes)
         if state["step"] >= args.max_steps:  # a finished run: change nothing
             raise NothingToDo(
                 f"{resume_path} is already at --max_steps {args.max_steps}: nothing to do "
@@ -168,7 +190,7 @@ def check_resume_and_output(accelerator, args, model_config: GPTConfig, global_b
     if overwrite and not resume_path and accelerator.is_main_process:
         clear_output_dir(args.output_dir)
     accelerator.wait_for_everyone()
-    return resume_path
+    return resume_path, facts
 
 
 def _unwrap_optimizer(optimizer):
@@ -191,6 +213,19 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
+    accelerator, args, step: int, stream, model, optimizer, scheduler, facts: dict, per_rank_state: bool = False
+) -> Path:
+    """Collective: call on every rank. Saves the step, the data position (`stream.position()`) and
+    the run's `facts` (check_resume_and_output) beside the tensors. `per_rank_state`: every rank
+    writes its whole model and optimizer state to state/rank_<r> (Local SGD, whose replicas differ
+    between fusions)."""
+    state = {"step": step, **stream.position(), **facts}
+    return write_checkpoint(
+        accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last, per_rank_state
+    )
+
+
+def write_checkpoint(
     accelerator,
     model,
     optimizer,
@@ -200,8 +235,7 @@ def save_checkpoint(
     keep_last: int,
     per_rank_state: bool = False,
 ) -> Path:
-    """Collective: call on every rank. `per_rank_state`: every rank writes its whole model and
-    optimizer state to state/rank_<r> (Local SGD, whose replicas differ between fusions)."""
+    """save_checkpoint's writing part: `trainer_state` is what trainer_state.json records."""
     root = _checkpoints_dir(output_dir)
     final = root / f"step_{trainer_state['step']}"
     tmp = root / f".tmp_step_{trainer_state['step']}"
@@ -253,7 +287,7 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise UsageError(
             f"--resume_from_checkpoint {path}: the model/optimizer state cannot be read"
-            f" ({type(e).__name__}); the checkpoint is damaged"
+            f" ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the checkpoint is damaged"
         ) from None
     set_state_dict(
         model,
@@ -277,26 +311,9 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
     return state
 
 
-def write_model_dir(state_dict: dict, model_config: GPTConfig, data_source: dict, model_dir) -> None:
-    """Write a full state dict as `model_dir/` (safetensors + config + data), via a temp dir renamed
-    into place. Called by one process per directory."""
-    from safetensors.torch import save_file
-
-    model_dir = Path(model_dir)
-    tmp = model_dir.with_name(f".tmp_{model_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(model_config.to_dict(), indent=1))
-    (tmp / "data.json").write_text(json.dumps(data_source, indent=1))
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
-    os.replace(tmp, model_dir)
-
-
-def export_model(accelerator, model, model_config: GPTConfig, data_source: dict, model_dir, layout=None) -> None:
-    """Write `model/`. Collective: gathering a sharded model needs every rank; only the main
-    process writes. Under pipeline parallelism each stage holds different layers: one rank per
+def export_model(accelerator, model, task, data_source: dict, model_dir, layout=None) -> None:
+    """Write `model/` the task's way (Task.export). Collective: gathering a sharded model needs
+    every rank; only the main process writes. Under pipeline parallelism each stage holds different layers: one rank per
     stage gathers its stage's full tensors and sends them to the main process."""
     if layout is None or layout.pp == 1:
         full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -308,24 +325,33 @@ def export_model(accelerator, model, model_config: GPTConfig, data_source: dict,
         torch.distributed.gather_object(part, parts, dst=0)
         full_sd = {k: v for p in parts for k, v in p.items()} if accelerator.is_main_process else {}
     if accelerator.is_main_process:
-        write_model_dir(full_sd, model_config, data_source, model_dir)
+        task.export(full_sd, model_dir, data_source)
     accelerator.wait_for_everyone()
 
 
-def load_exported(model_dir) -> tuple[GPT, dict]:
-    """Load `model/` on CPU: returns the model and the data source it was trained on."""
-    from safetensors.torch import load_file
+def load_exported(model_dir, data_task: str | None = None):
+    """Load `model/` on CPU: returns the model, its Task and the data source it was trained on. A
+    folder written by a 🤗 model (config.json with a model_type) loads with transformers, else GPT."""
+    from .model import GPT, GPTConfig, GPTTask
 
     model_dir = Path(model_dir)
     try:
-        config = GPTConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-        weights = load_file(str(model_dir / "model.safetensors"))
+        config = json.loads((model_dir / "config.json").read_text())
         data_source = json.loads((model_dir / "data.json").read_text()) if (model_dir / "data.json").exists() else {}
-        model = GPT(config)
-        model.load_state_dict(weights)
-    except Exception as e:  # noqa: BLE001
+        if "model_type" in config:
+            from .hf import load_exported_hf
+
+            model, task = load_exported_hf(model_dir)
+        else:
+            from safetensors.torch import load_file
+
+            cfg = GPTConfig.from_dict(config)
+            model = GPT(cfg)
+            model.load_state_dict(load_file(str(model_dir / "model.safetensors")))
+            task = GPTTask(cfg, cfg.block_size, "text")
+    except Exception as e:
         raise UsageError(
             f"--model_dir {model_dir}: not a readable model directory "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
-    return model, data_source
+    return model, task, data_source

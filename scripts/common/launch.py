@@ -217,6 +217,16 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--block_size", type=int, help="override the preset's context length")
     g.add_argument("--dropout", type=float, help="dropout probability (default: the preset's, 0)")
     g.add_argument(
+        "--model_name_or_path",
+        help="train a 🤗 transformers causal LM instead of the built-in GPT: a local folder (config, weights, and "
+        "its tokenizer if it has one), or a hub name already in the local cache (no download at run time)",
+    )
+    g.add_argument(
+        "--model_config",
+        help="build a 🤗 transformers causal LM from a config, randomly initialised, with the byte vocabulary: a "
+        "config.json file, or a folder holding one (docs/your-model.md)",
+    )
+    g.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile each transformer block (after TP and activation checkpointing, before FSDP): faster "
@@ -261,6 +271,11 @@ def check_core_args(args) -> None:
         raise UsageError(f"--collective_timeout must be positive seconds (got {args.collective_timeout})")
     if args.optimizer not in ("adamw", "sgd"):
         raise UsageError(f"--optimizer {args.optimizer!r} is not supported: use adamw or sgd")
+    if args.model_name_or_path and args.model_config:
+        raise UsageError(
+            "--model_name_or_path and --model_config both name a model: give one (a pretrained folder, or a config "
+            "to build from)"
+        )
     if args.model_size not in MODEL_PRESETS:
         raise UsageError(f"--model_size {args.model_size!r} is not a preset: choose {', '.join(MODEL_PRESETS)}")
     for flag in ("n_layer", "n_head", "n_embd", "block_size"):

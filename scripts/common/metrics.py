@@ -10,18 +10,18 @@ import resource
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
-from .model import flops_per_token
+from .task import first
 
 # Dense bf16 peak FLOP/s of common accelerators, for MFU; CPUs have no reliable figure (use --peak_flops).
 PEAK_FLOPS = {
@@ -80,11 +80,11 @@ class MetricsWriter:
 
 
 class Throughput:
-    """Tokens/s and MFU over training-step time only (evaluation and checkpoints excluded):
-    per report window, and over the whole run."""
+    """Tokens/s (samples/s where samples have no tokens) and MFU over training-step time only
+    (evaluation and checkpoints excluded): per report window, and over the whole run."""
 
-    def __init__(self, flops_per_token: float, peak: float | None):
-        self.flops_per_token, self.peak = flops_per_token, peak
+    def __init__(self, flops_per_item: float | None, peak: float | None, unit: str = "tokens"):
+        self.flops_per_item, self.peak, self.unit = flops_per_item, peak, unit
         self.window = [0, 0.0]  # tokens, seconds since the last report
         self.total = [0, 0.0]
 
@@ -93,10 +93,11 @@ class Throughput:
             acc[0] += tokens
             acc[1] += seconds
 
-    def _figures(self, tokens: int, seconds: float, world_size: int) -> dict:
-        tokens_per_sec = tokens / max(seconds, 1e-9)
-        mfu = tokens_per_sec * self.flops_per_token / (self.peak * world_size) if self.peak else None
-        return {"tokens_per_sec": round(tokens_per_sec, 1), "mfu": None if mfu is None else round(mfu, 4)}
+    def _figures(self, items: int, seconds: float, world_size: int) -> dict:
+        per_sec = items / max(seconds, 1e-9)
+        known = self.peak and self.flops_per_item
+        mfu = per_sec * self.flops_per_item / (self.peak * world_size) if known else None
+        return {f"{self.unit}_per_sec": round(per_sec, 1), "mfu": None if mfu is None else round(mfu, 4)}
 
     def report(self, world_size: int) -> dict:
         figures = self._figures(*self.window, world_size)
@@ -105,40 +106,6 @@ class Throughput:
 
     def summary(self, world_size: int) -> dict:
         return {**self._figures(*self.total, world_size), "train_time_s": round(self.total[1], 2)}
-
-
-@torch.no_grad()
-def evaluate(accelerator, model, eval_loader, task: str) -> dict:
-    """Eval loss over every validation target, plus the task metric, each sample counted once.
-
-    Each process scores its shard; `gather_for_metrics` collects the per-sample rows and drops
-    the duplicates Accelerate adds to even out the last batch (a plain all-gather counts them
-    twice). Exact match (addition): the greedy answer equals the reference. Under teacher
-    forcing that is "argmax is right at every answer position": if all are right, greedy
-    decoding follows the same path; if one is wrong, it leaves the path there.
-    """
-    model.eval()
-    rows = []
-    for batch in eval_loader:
-        logits = model(batch["input_ids"])
-        targets = batch["labels"][:, 1:]  # position t predicts token t+1
-        is_target = targets != -100
-        token_loss = F.cross_entropy(
-            logits[:, :-1].transpose(1, 2).float(), targets, ignore_index=-100, reduction="none"
-        )
-        correct = ((logits[:, :-1].argmax(-1) == targets) | ~is_target).all(dim=1)
-        # one row per sample: the unit gather_for_metrics de-duplicates
-        per_sample = torch.stack([token_loss.sum(1), is_target.sum(1).float(), correct.float()], dim=1)
-        rows.append(accelerator.gather_for_metrics(per_sample))
-    model.train()
-    rows = torch.cat(rows).double()
-    eval_loss = (rows[:, 0].sum() / rows[:, 1].sum()).item()
-    result = {"eval_loss": eval_loss, "num_samples": rows.shape[0]}
-    if task == "addition":
-        result["exact_match"] = rows[:, 2].mean().item()
-    else:
-        result["perplexity"] = round(math.exp(min(eval_loss, 50)), 4)
-    return result
 
 
 class RunLog:
@@ -156,21 +123,24 @@ class RunLog:
         config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers(name, config=config)  # Accelerate: trackers (--report_to)
         self.bar = self.layout = self.throughput = None  # start() makes them
+        self.first_step_collectives = {}  # collectives() fills it
         self._logged = False
         self.run_start = time.perf_counter()
         self.step, self._stretch_start = start_step, None
 
     def start(
-        self, model_config, n_params: int, data, strategy_lines: list[str], resume_path=None, layout=None
+        self, task, model_line: str, n_params: int, data, strategy_lines: list[str], resume_path=None, layout=None
     ) -> None:
-        """Print the run's first lines (who runs, the model, the data, the global batch, what the
-        strategy costs, where a resumed run starts), then open the progress bar."""
+        """Print the run's first lines (who runs, the model (`model_line`: Task.describe), the data, the
+        global batch, what the strategy costs, where a resumed run starts), then open the progress bar.
+        Throughput counts tokens where the task's samples have them (Task.tokens_per_sample), else samples."""
         acc, args = self.accelerator, self.args
         self.layout = layout
-        self.tokens_per_step = self.global_batch_size * data.seq_len
-        self.throughput = Throughput(
-            flops_per_token(model_config, n_params, data.seq_len), peak_flops(acc.device, args.peak_flops)
-        )
+        tokens = task.tokens_per_sample
+        self.tokens_per_step = self.global_batch_size * (tokens or 1)
+        self.unit = "tokens" if tokens else "samples"
+        self.throughput = Throughput(task.flops_per_item(n_params), peak_flops(acc.device, args.peak_flops), self.unit)
+        of_tokens = f" of {tokens} tokens" if tokens else ""
         dp = self.global_batch_size // (args.batch_size * args.gradient_accumulation_steps)
         lines = [
             f"{self.name}: {self.world_size} process(es) on {acc.device} ({acc.distributed_type}), "
@@ -179,10 +149,9 @@ class RunLog:
         if layout is not None:
             lines.append(layout.table())
         lines += [
-            f"  model {args.model_size}: {n_params / 1e6:.2f}M parameters, "
-            f"{model_config.n_layer} layers x {model_config.n_embd} wide",
-            f"  data {data.name}: {len(data.train)} train / "
-            f"{len(data.validation)} validation samples of {data.seq_len} tokens",
+            f"  {model_line}",
+            f"  data {getattr(data, 'name', 'data')}: {len(data.train)} train / "
+            f"{len(data.validation)} validation samples{of_tokens}",
             f"  global batch = {args.batch_size} per data-parallel rank x {dp} dp ranks "
             f"x {args.gradient_accumulation_steps} accumulation = {self.global_batch_size} samples",
             *(f"  {line}" for line in strategy_lines),
@@ -201,6 +170,22 @@ class RunLog:
         )
 
     # --- when: the cadence flags ----------------------------------------------------------
+    def due(self, step: int, what: str) -> bool:
+        """Is a "train" record, an "eval" or a "checkpoint" due after `step`?"""
+        return {"train": self.is_log_step, "eval": self.is_eval_step, "checkpoint": self.is_checkpoint_step}[what](step)
+
+    @contextmanager
+    def collectives(self):
+        """Counts the collectives of the run's first step (forward and backward, every kind) for the
+        summary; later steps run without the counter, and so does --compile (a dispatch mode stops it)."""
+        first = self.step == self.start_step and not self.args.compile
+        with CollectiveCounter(enabled=first) as counter:
+            yield
+        if first:
+            self.first_step_collectives = counter.report()
+            collectives = ", ".join(f"{k} {v['calls']} calls / {v['mib']:.3f} MiB" for k, v in counter.report().items())
+            self.write(f"  collectives of the first step (rank 0): {collectives or 'none'}")
+
     def is_log_step(self, step: int) -> bool:
         return step % self.args.log_every == 0 or step == self.args.max_steps
 
@@ -266,7 +251,10 @@ class RunLog:
         self.accelerator.log(
             {k: v for k, v in record.items() if isinstance(v, float)}, step=step
         )  # Accelerate: trackers
-        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        per_sec = record[f"{self.unit}_per_sec"]
+        self.bar.set_postfix(
+            {"loss": f"{loss:.4f}", "tok_s" if self.unit == "tokens" else "samples_s": f"{per_sec:.0f}"}
+        )
         return record
 
     def eval(self, step: int, result: dict, **extra) -> None:
@@ -322,68 +310,81 @@ def gather_max(accelerator, value: float) -> float:
     )  # Accelerate: all-gather
 
 
-# ====================================================================== sharded models
+# ====================================================================== evaluation
 @torch.no_grad()
-def evaluate_sharded(accelerator, predict, validation, batch_size: int, layout, task: str) -> dict:
-    """Eval loss and task metric over every validation sample exactly once, under any layout.
+def evaluate(accelerator, model, task, validation, batch_size: int, layout=None, predict=None) -> dict:
+    """The task's evaluation (Task.eval_sums, Task.eval_metrics) over every validation sample
+    exactly once, under any layout, plus `num_samples`.
 
-    Data-parallel rank r scores samples r, r + dp, ...; every rank runs the same number of full
-    batches (padded, the padding masked out), because FSDP and the pipeline need all ranks in
-    each forward. `predict(input_ids)` returns the logits where they exist (last stage) and
-    None elsewhere; one rank per data-parallel replica (`layout.holds_loss`) contributes its
-    sums, so the all-reduce adds each sample once, not once per TP rank (docs/troubleshooting.md,
-    "Evaluation counted once per TP rank")."""
-    n, dp, r = len(validation), layout.dp, layout.dp_rank
+    Data-parallel rank r scores samples r, r + dp, ... (dp: the layout's, else every process);
+    every rank runs the same number of batches, the last ones padded with repeats of its first
+    sample, because FSDP and the pipeline need all ranks in each forward; the padding is cut off
+    before scoring. `predict(*inputs)` (default: the model) returns the outputs where they exist
+    (a pipeline's last stage) and None elsewhere; one rank per data-parallel replica
+    (`layout.holds_loss`) adds its sums, so each sample counts once, not once per TP rank
+    (docs/troubleshooting.md, "Evaluation counted once per TP rank")."""
+    from accelerate.utils import send_to_device
+
+    dp = layout.dp if layout is not None else accelerator.num_processes
+    r = layout.dp_rank if layout is not None else accelerator.process_index
+    counts = layout is None or layout.holds_loss
+    predict = predict or model
+    n = len(validation)
     n_batches = math.ceil(math.ceil(n / dp) / batch_size)
     mine = list(range(r, n, dp))
-    real = torch.zeros(n_batches * batch_size, dtype=torch.bool)
-    real[: len(mine)] = True
     indices = (mine + [mine[0]] * (n_batches * batch_size))[: n_batches * batch_size]
-    device = accelerator.device
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, targets, correct samples, samples
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = defaultdict(float)
     for i, batch in enumerate(DataLoader(Subset(validation, indices), batch_size=batch_size)):
+        batch = send_to_device(batch, accelerator.device)
         with accelerator.autocast():  # Accelerate: autocast
-            logits = predict(batch["input_ids"].to(device))
-        logits = (
-            logits.full_tensor() if isinstance(logits, DTensor) else logits
-        )  # loss parallel: a collective, every TP rank
-        if logits is None or not layout.holds_loss:
+            outputs = full_outputs(predict(*task.inputs(batch)))  # loss parallel: a collective, every TP rank
+        real = min(batch_size, len(mine) - i * batch_size)  # the rest of the batch is padding
+        if outputs is None or not counts or real <= 0:
             continue
-        mask = real[i * batch_size : (i + 1) * batch_size].to(device)
-        targets = batch["labels"][:, 1:].to(device)
-        is_target = (targets != -100) & mask[:, None]
-        token_loss = F.cross_entropy(
-            logits[:, :-1].transpose(1, 2).float(),
-            targets.masked_fill(~is_target, -100),
-            ignore_index=-100,
-            reduction="none",
-        )
-        correct = ((logits[:, :-1].argmax(-1) == targets) | ~is_target).all(dim=1) & mask
-        sums += torch.stack([token_loss.sum(), is_target.sum(), correct.sum(), mask.sum()]).double()
-    dist.all_reduce(sums)
-    eval_loss = (sums[0] / sums[1]).item()
-    result = {"eval_loss": eval_loss, "num_samples": int(sums[3].item())}
-    if task == "addition":
-        result["exact_match"] = (sums[2] / sums[3]).item()
-    else:
-        result["perplexity"] = round(math.exp(min(eval_loss, 50)), 4)
-    return result
+        for key, value in task.eval_sums(first(outputs, real), first(task.targets(batch), real)).items():
+            sums[key] += float(value)
+        sums["samples"] += real
+    model.train(was_training)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, dict(sums))  # a few numbers per rank, once per evaluation
+        sums = defaultdict(float)
+        for part in every_rank:
+            for key, value in part.items():
+                sums[key] += value
+    metrics = {
+        k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in task.eval_metrics(sums).items()
+    }
+    return {"eval_loss": metrics.pop("eval_loss", None), "num_samples": int(sums["samples"]), **metrics}
 
 
+def full_outputs(outputs):
+    """Outputs that are DTensors (vocabulary-sharded logits under loss parallel) as full tensors."""
+    if isinstance(outputs, DTensor):
+        return outputs.full_tensor()
+    if isinstance(getattr(outputs, "logits", None), DTensor):  # a 🤗 output object
+        outputs.logits = outputs.logits.full_tensor()
+    return outputs
+
+
+# ====================================================================== sharded models
 def local_bytes(tensors) -> int:
     """Bytes this rank really holds: a DTensor counts its local shard only."""
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
 
 def training_state_bytes(model: nn.Module, optimizer) -> dict:
-    """Exact per-rank bytes of parameters, gradients and optimizer state (after a step, when the
-    gradients and Adam's moments exist)."""
+    """Exact per-rank bytes of parameters, gradients and optimizer state (after a step, when Adam's
+    moments exist). A gradient is the same shard as its parameter: it is counted as such (between
+    steps, zero_grad has freed it)."""
     opt = getattr(optimizer, "optimizer", optimizer)
     params = list(model.parameters())
     optim_tensors = [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     figures = {
         "param_bytes": local_bytes(params),
-        "grad_bytes": local_bytes(p.grad for p in params if p.grad is not None),
+        "grad_bytes": local_bytes(p for p in params if p.requires_grad),
         "optimizer_bytes": local_bytes(optim_tensors),
     }
     figures["total_bytes"] = sum(figures.values())
@@ -416,17 +417,11 @@ def sharded_start_lines(model, layout, n_params: int, optimizer_name: str, accel
     )
 
 
-def first_step_line(state_bytes: dict, comm: dict) -> str:
-    collectives = ", ".join(f"{k} {v['calls']} calls / {v['mib']:.3f} MiB" for k, v in comm.items()) or "none"
-    return (
-        f"  measured on the first step (rank 0): parameters + gradients + optimizer state "
-        f"{state_bytes['total_bytes'] / 2**20:.2f} MiB; collectives {collectives}"
-    )
-
-
-def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, state_bytes: dict, comm: dict) -> dict:
+def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, model, optimizer, comm: dict) -> dict:
     """The cost figures of a sharded run's summary: measured bytes per rank (largest rank)
-    against DDP's and the ideal split, and the first step's collectives. Collective (gathers)."""
+    against DDP's and the ideal split, and the first step's collectives (RunLog.collectives).
+    Collective (gathers)."""
+    state_bytes = training_state_bytes(model, optimizer)
     measured = {
         k: gather_max(accelerator, state_bytes.get(k, 0))
         for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")

@@ -29,6 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import UsageError
+from .task import CausalLMTask
+
 VOCAB_SIZE = 256  # byte-level: every data set is UTF-8 bytes, so no tokenizer download is ever needed
 
 # name: (n_layer, n_head, n_embd, block_size)
@@ -138,7 +141,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Returns logits (B, T, vocab). The loss lives outside (`cross_entropy_sum`), so that
+        """Returns logits (B, T, vocab). The loss lives outside (`GPTTask.loss`), so that
         strategies can normalise it over the whole global batch."""
         x = self.embed(input_ids)
         for block in self.blocks.values():
@@ -153,20 +156,6 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token loss and the number of targets it covers.
-
-    `labels` is aligned with the inputs (-100 = not a target); position t predicts t+1.
-    Returning a sum, not a mean, lets the caller divide by the target count of the whole
-    optimizer step (all micro-batches, all ranks): per-batch means would weight tokens
-    unequally when batches hold different numbers of targets.
-    """
-    shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
-    shift_labels = labels[:, 1:].reshape(-1)
-    loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
-    return loss_sum, (shift_labels != -100).sum()
-
-
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -174,3 +163,63 @@ def count_parameters(model: nn.Module) -> int:
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N (forward + backward matmuls) + 12·L·d·T (attention scores)."""
     return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+class GPTTask(CausalLMTask):
+    """The contract (common/task.py) for the built-in GPT: its units are `blocks`; it exports
+    its GPTConfig beside the weights (what evaluate.py reads)."""
+
+    name = "causal_lm"
+    units_path = "blocks"
+
+    def __init__(self, cfg: GPTConfig, seq_len: int, data_task: str, preset: str = "custom"):
+        super().__init__(seq_len, data_task)
+        self.cfg, self.preset = cfg, preset
+
+    def describe(self, model: nn.Module) -> str:
+        n = count_parameters(model)
+        return f"model GPT {self.preset}: {n / 1e6:.2f}M parameters, {self.cfg.n_layer} layers x {self.cfg.n_embd} wide"
+
+    def config(self) -> dict:
+        return self.cfg.to_dict()
+
+    def flops_per_item(self, n_params: int) -> float:
+        return flops_per_token(self.cfg, n_params, self.tokens_per_sample)
+
+
+def gpt_config_from_args(args) -> GPTConfig:
+    cfg = GPTConfig.from_preset(
+        args.model_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        block_size=args.block_size,
+        dropout=args.dropout,
+    )
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(
+            f"--n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}: "
+            "choose a head count that divides the width"
+        )
+    return cfg
+
+
+def context_length(args) -> int:
+    """The longest sequence the model takes (what the data is cut to), before the model exists."""
+    if getattr(args, "model_name_or_path", None) or getattr(args, "model_config", None):
+        from .hf import hf_context_length
+
+        return hf_context_length(args)
+    return gpt_config_from_args(args).block_size
+
+
+def language_model(args, data) -> tuple[nn.Module, CausalLMTask]:
+    """The built-in GPT (--model_size and overrides), or a 🤗 transformers causal LM
+    (--model_name_or_path, --model_config), and its Task. Seed first: every rank builds the same
+    full model before any strategy cuts it."""
+    if getattr(args, "model_name_or_path", None) or getattr(args, "model_config", None):
+        from .hf import load_hf_model
+
+        return load_hf_model(args, data.seq_len, data.task)
+    cfg = gpt_config_from_args(args)
+    return GPT(cfg), GPTTask(cfg, data.seq_len, data.task, args.model_size)

@@ -14,40 +14,32 @@ import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from torch.distributed.tensor import DTensor
 
-from .errors import RunPosition, UsageError
-from .model import GPTConfig
+from .errors import RunPosition
 
 
-def model_config_from_args(args) -> GPTConfig:
-    cfg = GPTConfig.from_preset(
-        args.model_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        block_size=args.block_size,
-        dropout=args.dropout,
-    )
-    if cfg.n_embd % cfg.n_head:
-        raise UsageError(
-            f"--n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}: "
-            "choose a head count that divides the width"
-        )
-    return cfg
-
-
-def compile_blocks(model, accelerator) -> None:
+def compile_units(units, accelerator) -> None:
     """--compile: `torch.compile` each transformer block, torchtitan's way. After TP and activation
     checkpointing, which change what a block computes, and before FSDP, whose gather and
     reduce-scatter hooks then stay outside the compiled code (dynamo skips FSDP2's hooks). In
     place (`Module.compile`), so parameter names, and so checkpoints, do not change. Every block
     runs the same code on the same shapes: the first one's compilation serves the others."""
-    blocks = list(model.blocks.values())
+    blocks = unit_modules(units)
     accelerator.print(
-        f"--compile: compiling the {len(blocks)} transformer block(s) of this rank with torch.compile; the first "
+        f"--compile: compiling the {len(blocks)} repeated unit(s) of this rank with torch.compile; the first "
         "step (and the first evaluation) waits for the compiler: a minute or more on a CPU, seconds once cached"
     )
     for block in blocks:
         block.compile()
+
+
+def has_parameters(module) -> bool:
+    """False for the placeholders a pipeline split leaves where another stage's units were."""
+    return any(True for _ in module.parameters())
+
+
+def unit_modules(units) -> list:
+    """The units of a ModuleDict or ModuleList that this rank holds."""
+    return [u for u in (units.values() if isinstance(units, torch.nn.ModuleDict) else units) if has_parameters(u)]
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:
@@ -113,9 +105,12 @@ class TrainStream:
         global_batch_size: int,
         gradient_accumulation_steps: int,
         progress: dict,
+        count_targets,
         dp_group=None,
     ):
-        """`progress`: where the run stands (load_checkpoint's answer): epoch and samples_in_epoch."""
+        """`progress`: where the run stands (load_checkpoint's answer): epoch and samples_in_epoch.
+        `count_targets(micro_batch)`: its number of targets (Task.count_targets)."""
+        self.count_targets = count_targets
         self.accelerator, self.loader, self.sampler = accelerator, loader, sampler
         self.global_batch_size, self.grad_accum = global_batch_size, gradient_accumulation_steps
         self.epoch, self.samples_in_epoch = progress["epoch"], progress["samples_in_epoch"]
@@ -155,8 +150,9 @@ class TrainStream:
 
     def _fetch(self):
         window = [next(self._batches) for _ in range(self.grad_accum)]
-        count = sum((mb["labels"][:, 1:] != -100).sum() for mb in window).float()
-        stop = torch.tensor([float(self.stop_requested)], device=count.device)
+        device = self.accelerator.device
+        count = torch.as_tensor(sum(self.count_targets(mb) for mb in window), device=device).float().reshape(())
+        stop = torch.tensor([float(self.stop_requested)], device=device)
         works = []
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if distributed and torch.distributed.get_world_size(self.dp_group) > 1:
@@ -238,21 +234,3 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         for params in kinds.values():  # a multi-tensor kernel takes one kind of tensor
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
-
-
-def trainer_state(
-    step: int, stream: TrainStream, args, model_config, global_batch_size: int, world_size: int, layout=None
-) -> dict:
-    """What a checkpoint records besides the tensors: the step, the data position, and what a
-    resume must match (model, global batch)."""
-    state = {
-        "step": step,
-        **stream.position(),
-        "global_batch_size": global_batch_size,
-        "world_size": world_size,
-        "seed": args.seed,
-        "model_config": model_config.to_dict(),
-    }
-    if layout is not None:
-        state["layout"] = layout.describe()
-    return state

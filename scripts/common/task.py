@@ -1,0 +1,252 @@
+"""The model contract: what a training script needs to know about the model it trains.
+
+A script's MODEL section builds the model and a `Task` that names the model's parts for the
+strategies and says how to score a batch. Nothing else in a script, and nothing in `common/`,
+assumes which model is trained: swap the model by swapping that section (docs/your-model.md).
+
+    Task                      what it answers                      used by
+    units(model)              the repeated units (a ModuleDict      FSDP units, activation
+                              or ModuleList of blocks/layers)       checkpointing, --compile, PP split
+    inputs(batch)             the model's positional inputs         every forward
+    targets(batch)            what the loss compares with           the loss; PP's last stage
+    count_targets(batch)      targets in a micro-batch, before      the divisor of the whole step's
+                              the forward                           loss (all micro-batches, all ranks)
+    loss(outputs, targets)    (loss_sum, n_targets): a SUM          backward, the logged loss
+    eval_sums(outputs, tgts)  sums over a batch (dict of tensors)   evaluation, added over batches, ranks
+    eval_metrics(sums)        the reported figures (eval_loss ...)  evaluation
+    describe(model)           one line for the banner               the start of the run
+    tokens_per_sample         tokens in a sample, or None           tokens/s (samples/s otherwise)
+    export(state_dict, dir)   writes the final model                OUTPUT_DIR/model
+
+`CausalLMTask` is the contract of any causal language model over batches of
+{"input_ids", "labels"} (labels aligned with the inputs, -100 = not a target).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import UsageError
+
+
+class Task:
+    """The contract. Subclass it in a script's MODEL section for a model of your own."""
+
+    name = "task"
+    tokens_per_sample: int | None = None  # None: throughput in samples/s only
+    units_path = "blocks"  # where the repeated units are (for the error that names what the model has)
+
+    def units(self, model: nn.Module):
+        return find_units(model, self.units_path)
+
+    def inputs(self, batch) -> tuple:
+        raise NotImplementedError
+
+    def targets(self, batch):
+        raise NotImplementedError
+
+    def count_targets(self, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, outputs, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def loss_of(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_sum, n_targets) of one micro-batch: its forward, then the loss."""
+        return self.loss(model(*self.inputs(batch)), self.targets(batch))
+
+    def eval_sums(self, outputs, targets) -> dict:
+        loss_sum, n = self.loss(outputs, targets)
+        return {"loss": loss_sum, "targets": n}
+
+    def eval_metrics(self, sums: dict) -> dict:
+        return {"eval_loss": sums["loss"] / max(sums["targets"], 1)}
+
+    def describe(self, model: nn.Module) -> str:
+        n = sum(p.numel() for p in model.parameters())
+        return f"model {type(model).__name__}: {n / 1e6:.2f}M parameters"
+
+    def flops_per_item(self, n_params: int) -> float | None:
+        """Training FLOPs per token (or per sample without tokens), for MFU; None: unknown."""
+        return None
+
+    def config(self) -> dict:
+        """What is written beside the weights (config.json)."""
+        return {"task": self.name}
+
+    def export(self, state_dict: dict, model_dir, data_source: dict) -> None:
+        """Write the full model to `model_dir` (one process): safetensors + config.json + data.json."""
+        write_model_dir(state_dict, self.config(), data_source, model_dir)
+
+
+def find_units(model: nn.Module, path: str):
+    """The submodule at `path` ("blocks", "model.layers"), checked to be a container of units:
+    otherwise one line naming what was looked for, what the model has, and where to change it."""
+    obj = model
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            children = ", ".join(name for name, _ in obj.named_children()) or "none"
+            raise UsageError(
+                f"the model ({type(model).__name__}) has no '{path}', the container of repeated units (FSDP units, "
+                f"activation checkpointing, --compile, the pipeline split); its children are: {children}. Name your "
+                "model's units in the script's MODEL section (Task.units; docs/your-model.md)"
+            )
+        obj = getattr(obj, part)
+    if not isinstance(obj, (nn.ModuleDict, nn.ModuleList)) or len(obj) == 0:
+        raise UsageError(
+            f"'{path}' of {type(model).__name__} is a {type(obj).__name__}, not a non-empty nn.ModuleDict or "
+            "nn.ModuleList of repeated units: name a container of blocks in the script's MODEL section "
+            "(Task.units; docs/your-model.md)"
+        )
+    return obj
+
+
+class CausalLMTask(Task):
+    """Next-token prediction over {"input_ids", "labels"} batches; position t predicts t+1.
+    Outputs are logits (B, T, vocab), or a 🤗 output object holding them (`.logits`)."""
+
+    name = "causal_lm"
+
+    def __init__(self, seq_len: int, data_task: str = "text"):
+        self.tokens_per_sample = seq_len
+        self.data_task = data_task  # "addition": exact match is reported; "text": perplexity
+
+    def inputs(self, batch) -> tuple:
+        return (batch["input_ids"],)
+
+    def flops_per_item(self, n_params: int) -> float:
+        return 6 * n_params  # forward + backward matmuls per token (attention scores left out)
+
+    def targets(self, batch):
+        return batch["labels"]
+
+    def count_targets(self, batch) -> torch.Tensor:
+        return (batch["labels"][:, 1:] != -100).sum()
+
+    def loss(self, outputs, targets):
+        return cross_entropy_sum(logits_of(outputs), targets)
+
+    def eval_sums(self, outputs, targets) -> dict:
+        logits = logits_of(outputs)[:, :-1]
+        targets = targets[:, 1:]
+        is_target = targets != -100
+        loss_sum = F.cross_entropy(logits.transpose(1, 2).float(), targets, ignore_index=-100, reduction="sum")
+        # exact match: argmax right at every target position (greedy decoding then follows the same path)
+        correct = ((logits.argmax(-1) == targets) | ~is_target).all(dim=1)
+        return {"loss": loss_sum, "targets": is_target.sum(), "correct": correct.sum()}
+
+    def eval_metrics(self, sums: dict) -> dict:
+        eval_loss = sums["loss"] / sums["targets"]
+        if self.data_task == "addition":
+            return {"eval_loss": eval_loss, "exact_match": sums["correct"] / sums["samples"]}
+        return {"eval_loss": eval_loss, "perplexity": round(math.exp(min(eval_loss, 50)), 4)}
+
+
+def logits_of(outputs) -> torch.Tensor:
+    return getattr(outputs, "logits", outputs)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss and the number of targets it covers.
+
+    `labels` is aligned with the inputs (-100 = not a target); position t predicts t+1.
+    Returning a sum, not a mean, lets the caller divide by the target count of the whole
+    optimizer step (all micro-batches, all ranks): per-batch means would weight tokens
+    unequally when batches hold different numbers of targets.
+    """
+    shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
+    shift_labels = labels[:, 1:].reshape(-1)
+    loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+    return loss_sum, (shift_labels != -100).sum()
+
+
+def write_model_dir(state_dict: dict, config: dict, data_source: dict, model_dir) -> None:
+    """Write a full state dict as `model_dir/` (safetensors + config + data), via a temp dir renamed
+    into place. Called by one process per directory."""
+    from safetensors.torch import save_file
+
+    model_dir = Path(model_dir)
+    tmp = model_dir.with_name(f".tmp_{model_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    (tmp / "data.json").write_text(json.dumps(data_source, indent=1))
+    replace_dir(tmp, model_dir)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+# ---------------------------------------------------------------- batches of any structure
+def rows(x, start: int, stop: int):
+    """Samples start..stop-1 of a batch, its outputs or targets: tensors, tuples, lists, dicts, 🤗 outputs."""
+    if isinstance(x, torch.Tensor):
+        return x[start:stop]
+    if isinstance(x, (tuple, list)):
+        return type(x)(rows(v, start, stop) for v in x)
+    if hasattr(x, "logits"):
+        return rows(x.logits, start, stop)
+    if isinstance(x, dict):
+        return {key: rows(v, start, stop) for key, v in x.items()}
+    return x
+
+
+def first(x, k: int):
+    return rows(x, 0, k)
+
+
+@torch.no_grad()
+def check_loss_is_a_sum(task: Task, model: nn.Module, validation, device, context=None) -> None:
+    """The contract's most silent mistake: a loss returned as a MEAN trains, but the script divides
+    it again by the step's target count (logged loss and gradients far too small). A sum is additive
+    over samples: the loss of 4 validation samples must equal the losses of its two halves added,
+    and its n_targets must equal Task.count_targets. Run on every rank (the forward may be a collective)."""
+    from contextlib import nullcontext
+
+    from accelerate.utils import send_to_device
+    from torch.utils.data import default_collate
+
+    if len(validation) < 4:
+        return
+    batch = send_to_device(default_collate([validation[i] for i in range(4)]), device)
+    was_training = model.training
+    model.eval()  # no dropout
+    with context or nullcontext():
+        whole, n_whole = (_float(v) for v in task.loss_of(model, batch))
+        halves = [[_float(v) for v in task.loss_of(model, rows(batch, a, a + 2))] for a in (0, 2)]
+    model.train(was_training)
+    for module in model.modules():  # FSDP keeps a root gathered after forward: shard it again
+        if hasattr(module, "reshard") and hasattr(module, "set_requires_gradient_sync"):
+            module.reshard()
+    counted = _float(task.count_targets(batch))
+    where = "return (loss_sum, n_targets) from Task.loss in the script's MODEL section (docs/your-model.md)"
+    if n_whole != counted:
+        raise UsageError(
+            f"the loss of a micro-batch covers {n_whole:g} targets but Task.count_targets counts {counted:g}: the "
+            f"step's loss is divided by the counted targets, so they must agree; {where}"
+        )
+    added = halves[0][0] + halves[1][0]
+    if abs(whole - added) > 1e-3 * max(abs(whole), abs(added), 1e-6) + 1e-4:
+        raise UsageError(
+            f"the loss of a micro-batch is not a sum: {whole:.6g} for 4 samples, but {halves[0][0]:.6g} + "
+            f"{halves[1][0]:.6g} = {added:.6g} for its two halves (a mean?). The script divides the step's loss by "
+            f"its target count itself: use reduction='sum'; {where}"
+        )
+
+
+def _float(value) -> float:
+    if hasattr(value, "full_tensor"):  # a DTensor (loss parallel)
+        value = value.full_tensor()
+    return float(value)
