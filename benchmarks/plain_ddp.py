@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from common.data import DEFAULT_CACHE_DIR, _encode_addition, build_addition
-from common.model import GPT, GPTConfig, cross_entropy_sum
+from common.model import GPT, GPTConfig
+from common.task import cross_entropy_sum
 
 
 def main():

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Evaluate a saved model (OUTPUT_DIR/model) on its validation split, on any number of processes.
 
-Each process scores its share of the split; `gather_for_metrics` collects the per-sample
-figures and drops the padding Accelerate adds to even out the last batch, so every sample
-is counted exactly once and the result is the same for 1, 2 or 3 processes.
+Each process scores its share of the split (every N-th sample), the padding that evens out the
+last batch is cut off, and the sums are added over the processes, so every sample is counted
+exactly once and the result is the same for 1, 2 or 3 processes.
 
     python scripts/evaluate.py --model_dir runs/ddp/model --generate 5
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/evaluate.py --model_dir runs/ddp/model
@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 import torch
 
 from common.checkpoint import load_exported
-from common.data import SOURCE_DEFAULTS, SOURCE_KEYS, add_data_args, check_data_args, load_data, make_eval_loader
+from common.data import SOURCE_DEFAULTS, SOURCE_KEYS, add_data_args, check_data_args, load_data
 from common.errors import UsageError
 from common.launch import HelpFormatter, make_accelerator, run_main
 from common.metrics import evaluate
+from common.task import logits_of
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,21 +66,28 @@ def model_data_defaults(source: dict, given: argparse.Namespace) -> dict:
 @torch.no_grad()
 def greedy(model, prompt: torch.Tensor, max_new_tokens: int, stop: int | None = None) -> list[int]:
     ids = prompt[None]
+    context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", 1024)
     for _ in range(max_new_tokens):
-        next_id = model(ids[:, -model.config.block_size :])[0, -1].argmax()
+        next_id = logits_of(model(ids[:, -context:]))[0, -1].argmax()
         ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
         if stop is not None and next_id.item() == stop:
             break
     return ids[0, len(prompt) :].tolist()
 
 
-def show_samples(model, validation, task: str, n: int, device) -> None:
+def show_samples(model, validation, task: str, n: int, device, tokenizer=None) -> None:
+    """Greedy answers (addition) or continuations (text); ids are bytes unless the model has a tokenizer."""
+
+    def decode(ids) -> str:
+        return tokenizer.decode(ids) if tokenizer is not None else bytes(ids).decode(errors="replace")
+
+    stop = ord("\n") if tokenizer is None else (tokenizer.convert_tokens_to_ids("\n") or None)
     for row in (validation[i] for i in range(min(n, len(validation)))):
         ids = row["input_ids"].to(device)
         if task == "addition":
             answer_start = int((row["labels"] != -100).nonzero()[0])
-            prompt = bytes(ids[:answer_start].tolist()).decode()
-            got = bytes(greedy(model, ids[:answer_start], 12, stop=ord("\n"))).decode().strip()
+            prompt = decode(ids[:answer_start].tolist())
+            got = decode(greedy(model, ids[:answer_start], 12, stop=stop)).strip()
             a, b = prompt[:-1].split("+")
             want = str(int(a) + int(b))
             print(
@@ -88,14 +96,14 @@ def show_samples(model, validation, task: str, n: int, device) -> None:
             )
         else:
             prompt = ids[:32]
-            out = bytes(greedy(model, prompt, 96)).decode(errors="replace")
-            print(f"--- prompt: {bytes(prompt.tolist()).decode(errors='replace')!r}\n    continuation: {out!r}")
+            out = decode(greedy(model, prompt, 96))
+            print(f"--- prompt: {decode(prompt.tolist())!r}\n    continuation: {out!r}")
 
 
 def main():
     parser = build_parser()
     known, _ = parser.parse_known_args()
-    model, source = load_exported(known.model_dir)
+    model, task, source = load_exported(known.model_dir)
     parser.set_defaults(**model_data_defaults(source, known))
     args = parser.parse_args()
     if args.batch_size < 1 or args.generate < 0:
@@ -104,18 +112,19 @@ def main():
     args.report_to, args.output_dir = "none", None
 
     accelerator = make_accelerator(args)  # Accelerate: process group, device
-    data = load_data(args, accelerator, model.config.block_size)
-    loader = make_eval_loader(data.validation, args.batch_size)
+    data = load_data(args, accelerator, task.tokens_per_sample, getattr(task, "tokenizer", None))
+    task.tokens_per_sample, task.data_task = data.seq_len, data.task  # what the model is scored on
     model = accelerator.prepare_model(model, evaluation_mode=True)  # Accelerate: to device, no DDP wrapper
-    loader = accelerator.prepare_data_loader(loader)  # Accelerate: each process takes its share
-    result = evaluate(accelerator, model, loader, data.task)
+    # each process scores every N-th sample; the sums are added over the processes: each sample counts once
+    result = evaluate(accelerator, model, task, data.validation, args.batch_size)
     if accelerator.is_main_process:
         print(json.dumps(result))
         if args.output_file:
             Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
             Path(args.output_file).write_text(json.dumps(result) + "\n")
         if args.generate:
-            show_samples(model.eval(), data.validation, data.task, args.generate, accelerator.device)
+            tokenizer = getattr(task, "tokenizer", None)
+            show_samples(model.eval(), data.validation, data.task, args.generate, accelerator.device, tokenizer)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: destroys the process group
 

@@ -6,11 +6,13 @@
     python scripts/evaluate.py --model_dir runs/fused/model
 
 Every input is a `model/` directory written by a training script (model.safetensors +
-config.json). The models must share one config (same shapes, same parameter names); the result
-is sum_i w_i * theta_i (uniform weights by default, normalised to sum to 1), saved in fp32 with
-the same config and the first model's data.json. Averaging helps when the models are close (the
-replicas of a Local SGD run, or fine-tunes of one base); two models trained apart from different
-initialisations sit in different basins, and their average is usually worse than either.
+config.json): the built-in GPT's, or a 🤗 transformers folder. The models must be one model (the
+same parameter names and shapes, the same config); the result is sum_i w_i * theta_i (uniform
+weights by default, normalised to sum to 1), saved in fp32 the way the first model was saved (its
+Task's export: the same config and the first model's data.json; a 🤗 folder for 🤗 models).
+Averaging helps when the models are close (the replicas of a Local SGD run, or fine-tunes of one
+base); two models trained apart from different initialisations sit in different basins, and their
+average is usually worse than either.
 """
 
 import argparse
@@ -19,11 +21,11 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
 
 import torch
 
-from common.checkpoint import load_exported, write_model_dir
+from common.checkpoint import load_exported
 from common.errors import UsageError
 from common.launch import HelpFormatter, run_main
 
@@ -36,6 +38,32 @@ def missing_model_hint(model_dir: Path) -> str:
             " (or pass OUTPUT_DIR/model of a training run)"
         )
     return "pass OUTPUT_DIR/model of a training run"
+
+
+# what a 🤗 config records about the file rather than the model (the folder it was loaded from, versions)
+BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "architectures", "use_cache"}
+
+
+def first_difference(a: dict, b: dict) -> str | None:
+    """The first name whose value differs between two {name: value} dicts ("absent" where missing)."""
+    return next(
+        (
+            f"{name} {a.get(name, 'absent')} vs {b.get(name, 'absent')}"
+            for name in [*a, *(n for n in b if n not in a)]
+            if a.get(name) != b.get(name)
+        ),
+        None,
+    )
+
+
+def model_difference(model_a, task_a, model_b, task_b) -> str | None:
+    """How model b differs from model a: the first parameter name or shape, else the first config entry."""
+    shapes = [{k: list(t.shape) for k, t in m.state_dict().items()} for m in (model_a, model_b)]
+    configs = [
+        {k: v for k, v in t.config().items() if k not in BOOKKEEPING and not k.startswith("_")}
+        for t in (task_a, task_b)
+    ]
+    return first_difference(*shapes) or first_difference(*configs)
 
 
 def main():
@@ -57,29 +85,30 @@ def main():
     if any(out.resolve() == Path(d).resolve() for d in args.model_dirs):
         raise UsageError(f"--out {out} is one of the inputs: write the merge elsewhere")
     for d in args.model_dirs:
-        if not (Path(d) / "model.safetensors").is_file():
+        if not any((Path(d) / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
             raise UsageError(f"{d}: no model.safetensors here: {missing_model_hint(Path(d))}")
 
-    models = [load_exported(d) for d in args.model_dirs]
-    first_config = models[0][0].config
-    for d, (model, _) in zip(args.model_dirs[1:], models[1:]):
-        if model.config != first_config:
-            diff = ", ".join(
-                f"{k} {v} vs {getattr(model.config, k)}"
-                for k, v in first_config.to_dict().items()
-                if getattr(model.config, k) != v
-            )
+    models = [load_exported(d) for d in args.model_dirs]  # (model, task, data_source) each
+    first_model, first_task, first_data = models[0]
+    for d, (model, task, _) in zip(args.model_dirs[1:], models[1:]):
+        difference = model_difference(first_model, first_task, model, task)
+        if difference:
             raise UsageError(
-                f"{d}: another model than {args.model_dirs[0]} ({diff}): only models of one config can be averaged"
+                f"{d}: another model than {args.model_dirs[0]} (first difference: {difference}): only models of one "
+                "config can be averaged"
             )
 
     total = sum(weights)
     with torch.no_grad():
-        merged = {name: torch.zeros_like(t, dtype=torch.float32) for name, t in models[0][0].state_dict().items()}
-        for (model, _), w in zip(models, weights):
+        merged = {
+            name: torch.zeros_like(t, dtype=torch.float32) if t.is_floating_point() else t.clone()
+            for name, t in first_model.state_dict().items()
+        }  # integer buffers (none in the built-in model) are the first model's
+        for (model, _, _), w in zip(models, weights):
             for name, t in model.state_dict().items():
-                merged[name] += (w / total) * t.float()
-    write_model_dir(merged, first_config, models[0][1], out)
+                if t.is_floating_point():
+                    merged[name] += (w / total) * t.float()
+    first_task.export(merged, out, first_data)  # the first model's format: its config, its data.json
     print(json.dumps({"merged": args.model_dirs, "weights": [w / total for w in weights], "out": str(out)}))
 
 

@@ -47,7 +47,14 @@ from common.launch import HelpFormatter, run_main
 from common.layout import DIMS, FLAGS, Layout
 from common.metrics import ddp_state_bytes
 from common.model import GPT, MODEL_PRESETS, GPTConfig, count_parameters, flops_per_token
-from train_pp import MULTI_STAGE_SCHEDULES, SCHEDULES, bubble_theory, check_pipeline_flags, stage_layers, stages_of_rank
+from common.pipeline import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    bubble_theory,
+    check_pipeline_layout,
+    stage_layers,
+    stages_of_rank,
+)
 from train_tp import tensor_parallel_plan
 
 GiB = 2**30
@@ -478,7 +485,7 @@ def why_invalid(layout: Layout, cfg: GPTConfig, args) -> str | None:
                 f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches}"
             )
         if layout.pp > 1:
-            check_pipeline_flags(layout, cfg.n_layer, args)
+            check_pipeline_layout(layout, cfg.n_layer, args)
         elif args.stages_per_rank > 1:
             raise UsageError(f"--schedule {args.schedule} needs a pipeline (--pp_size 2 or more)")
     except UsageError as e:
@@ -672,7 +679,7 @@ def check_args(args) -> GPTConfig:
             "choose degrees whose product divides the world size"
         )
     args.stages_per_rank = 2 if args.schedule in MULTI_STAGE_SCHEDULES else 1
-    args.gradient_accumulation_steps, args.split_points = 1, None  # what check_pipeline_flags reads
+    args.gradient_accumulation_steps, args.split_points = 1, None  # what check_pipeline_layout reads
     args.peak_tflops = args.peak_tflops or PEAK_TFLOPS[args.mixed_precision]
     if args.peak_tflops <= 0:
         raise UsageError(f"--peak_tflops must be positive (got {args.peak_tflops})")

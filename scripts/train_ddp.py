@@ -29,49 +29,67 @@ from accelerate.utils import GradientAccumulationPlugin, set_seed
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
-from common.metrics import RunLog, evaluate, peak_memory_mb, ring_allreduce_bytes
-from common.model import context_length, count_parameters, language_model
+from common.metrics import RunLog, evaluate, replicated_summary, ring_allreduce_bytes
+from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
 from common.training import TrainStream, compile_units, make_optimizer, make_scheduler
 
 
+# ======================================== DDP: the strategy
+def ddp_forward_backward(accelerator, model, task, window: list, global_targets, dp_size: int) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
+    normalised by the target count of the whole global batch (all micro-batches, all ranks), not
+    averaged per micro-batch (which weights targets unequally when their counts differ)."""
+    step_loss_sum = torch.zeros((), device=accelerator.device)
+    for mb in window:
+        with accelerator.accumulate(model):  # Accelerate: skips DDP's all-reduce until the last micro-batch
+            loss_sum, _ = task.loss_of(model, mb)
+            # DDP averages gradients over dp_size ranks and accelerator.backward divides by the accumulation
+            # steps: scale back, so the gradient is that of (global loss sum / global targets).
+            accelerator.backward(loss_sum * dp_size * len(window) / global_targets)  # Accelerate: backward
+        step_loss_sum += loss_sum.detach()
+    return step_loss_sum
+
+
 def main():
     # ---------------------------------------- flags
-    args = build_parser(__doc__).parse_args()
+    parser = build_parser(__doc__)
+    args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ddp"
     check_core_args(args)
     grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
-    # On a machine without CUDA, make_accelerator passes Accelerator(cpu=True): without it, the N processes
-    # of a torchrun-style launch would each train alone (docs/troubleshooting.md).
-    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False): Accelerate's default
-    # would step it once per process, and the LR would then depend on the number of processes.
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
+    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    # Accelerate: accumulate() skips DDP's all-reduce until the window's last micro-batch (our own windows)
+    accumulation = GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False, adjust_scheduler=False)
     accelerator = make_accelerator(
         args,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=grad_accum, sync_with_dataloader=False, adjust_scheduler=False
-        ),
+        cpu=args.cpu or not torch.cuda.is_available(),
+        gradient_accumulation_plugin=accumulation,
         step_scheduler_with_optimizer=False,
     )
-    dp_size = accelerator.num_processes  # DDP: every process is a data-parallel replica
+    dp_size = accelerator.num_processes  # DDP: every process is a data-parallel replica, holding the whole model
     global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
-    data = load_data(args, accelerator, context_length(args))
+    data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: seeds python, numpy and torch; same value on every rank
+    set_seed(args.seed)  # Accelerate: the same full model on every rank: the replicas start equal
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     model, task = language_model(args, data)
-    model = model.to(accelerator.device)  # the same full model on every rank: the replicas start equal
+    model = model.to(accelerator.device)
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
     if args.compile:
-        compile_units(task.units(model), accelerator)  # each repeated unit; DDP's all-reduce hooks stay outside
+        compile_units(
+            task.units(model), accelerator
+        )  # each repeated unit, before DDP wraps the model: its all-reduce hooks stay outside
 
     # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)
@@ -86,7 +104,13 @@ def main():
     check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     stream = TrainStream(
-        accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress, task.count_targets
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        grad_accum,
+        progress,
+        task.count_targets,
     )
     log = RunLog(accelerator, args, "train_ddp", progress["step"], dp_size, global_batch_size)
     allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
@@ -98,17 +122,9 @@ def main():
     model.train()
     while step < last_step and not stream.preempted:
         log.step_start()
-        # This rank's micro-batches, and the target count of the whole global batch (all micro-batches,
-        # all ranks): the loss is divided by it, not averaged per micro-batch (which weights targets unequally).
         window, global_targets = stream.next_step()
-        loss_sum = torch.zeros((), device=accelerator.device)
-        for mb in window:
-            with accelerator.accumulate(model):  # Accelerate: skips DDP's all-reduce until the last micro-batch
-                mb_loss_sum, _ = task.loss_of(model, mb)
-                # DDP averages gradients over dp_size ranks and accelerator.backward divides by grad_accum:
-                # scale back, so the gradient is that of (global loss sum / global targets). DDP: all-reduce.
-                accelerator.backward(mb_loss_sum * dp_size * grad_accum / global_targets)  # Accelerate: backward
-                loss_sum += mb_loss_sum.detach()
+        # DDP: forward and backward of each micro-batch; the gradient all-reduce runs inside the last backward
+        loss_sum = ddp_forward_backward(accelerator, model, task, window, global_targets, dp_size)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -127,25 +143,14 @@ def main():
     stream.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank; main writes
+    if step == args.max_steps:  # every rank: the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")
-    peak_mb = accelerator.gather(
-        torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device)
-    )  # Accelerate: all-gather
-    log.summary(
-        step,
-        preempted=stream.preempted,
-        n_params=n_params,
-        peak_memory_mb_max_rank=round(peak_mb.max().item(), 1),
-        peak_memory_mb_all_ranks=round(peak_mb.sum().item(), 1),
-        gradient_allreduce_mib_per_step_per_rank=round(allreduce_mib, 3),
-    )
-    # Accelerate: closes trackers and destroys the process group. Free the DDP wrapper first, while
-    # every peer is still there: its destructor tears down a gloo group that can wait on a peer.
-    del model, optimizer, scheduler, train_loader, stream
+    costs = replicated_summary(accelerator, n_params, allreduce_mib)
+    log.summary(step, preempted=stream.preempted, **costs)
+    del model, optimizer, scheduler, train_loader, stream  # free DDP's wrapper while every peer is still there
     accelerator.free_memory()
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
 from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
-from common.model import context_length, count_parameters, language_model
+from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
 from common.training import (
     TrainStream,
@@ -61,14 +61,7 @@ def apply_activation_checkpointing(units) -> None:
         checkpoint(unit)
 
 
-def apply_fsdp(
-    units,
-    roots: list,
-    mesh,
-    mixed_precision: str = "no",
-    reshard_after_forward: bool = True,
-    cpu_offload: bool = False,
-) -> None:
+def apply_fsdp(units, roots: list, mesh, mixed_precision="no", reshard_after_forward=True, cpu_offload=False) -> None:
     """One FSDP unit per repeated unit (a block, a decoder layer), then each root (the whole model,
     or each pipeline stage) holding what is left: embeddings, final norm, head. A unit's parameters
     are all-gathered just before its forward and again before its backward, and its gradients
@@ -94,6 +87,16 @@ def apply_fsdp(
         fully_shard(root, reshard_after_forward=False, **kwargs)
 
 
+def fsdp_start_line(layout, shard: bool, reshard_after_forward: bool) -> str:
+    """What the run shards, for its first lines."""
+    if not shard:
+        return "FSDP over 1 rank: nothing to shard, so fully_shard is not applied; launch 2 or more processes to shard"
+    reshard = "on (ZeRO-3; not the root, used first in backward)" if reshard_after_forward else "off (ZeRO-2 like)"
+    if layout.dp_replicate > 1:
+        return f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards; reshard after forward {reshard}"
+    return f"FSDP over {layout.dp_shard} ranks; reshard after forward {reshard}"
+
+
 def fsdp_forward_backward(accelerator, model, task, window: list, global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
     normalised by the target count of the whole global batch; FSDP averages gradients over the
@@ -113,54 +116,45 @@ def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__)
     g = parser.add_argument_group("fully sharded data parallel")
-    g.add_argument(
-        "--dp_replicate",
-        type=int,
-        default=1,
-        help="HSDP: replicate over this many groups, shard inside each (1: plain FSDP over all processes)",
-    )
+    g.add_argument("--dp_replicate", type=int, default=1, help="HSDP: replicate over N groups, shard inside each")
     g.add_argument(
         "--reshard_after_forward",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="free each unit's gathered weights after forward and gather them again in backward (ZeRO-3; the root "
-        "stays gathered); --no-reshard_after_forward "
-        "keeps them until backward (ZeRO-2 like: more memory, one all-gather less)",
+        help="free each unit's gathered weights after forward, gather them again in backward (ZeRO-3; not the root); "
+        "--no-reshard_after_forward keeps them until backward (ZeRO-2 like: more memory, one all-gather less)",
     )
-    g.add_argument(
-        "--cpu_offload", action="store_true", help="keep shards, gradients and optimizer state in CPU memory (GPU runs)"
-    )
-    g.add_argument(
-        "--activation_checkpointing",
-        action="store_true",
-        help="recompute each unit's activations in backward instead of storing them",
-    )
+    g.add_argument("--cpu_offload", action="store_true", help="keep shards, gradients, optimizer state in CPU memory")
+    g.add_argument("--activation_checkpointing", action="store_true", help="recompute each unit's activations")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/fsdp"
     check_core_args(args)
+    grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
-    # On a machine without CUDA, make_accelerator passes Accelerator(cpu=True): without it, the N processes
-    # of a torchrun-style launch would each train alone (docs/troubleshooting.md).
-    # The scheduler counts optimizer steps, whatever the layout.
-    accelerator = make_accelerator(args, sharded="train_fsdp", step_scheduler_with_optimizer=False)
-    layout = Layout.from_degrees(
-        accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1
-    )  # FSDP: all ranks
-    global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
+    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    accelerator = make_accelerator(
+        args,
+        cpu=args.cpu or not torch.cuda.is_available(),
+        sharded="train_fsdp",  # refuses a launch that also asks Accelerate to shard
+        step_scheduler_with_optimizer=False,
+    )
+    layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1)
+    dp_size = layout.dp  # FSDP: every rank is a data-parallel rank, holding 1/dp_shard of the model
+    global_batch_size = args.batch_size * dp_size * grad_accum
     if args.cpu_offload and accelerator.device.type == "cpu":
         raise UsageError(
-            "--cpu_offload moves shards, gradients and optimizer state from the accelerator to CPU memory, but this "
-            "run is already on the CPU: drop --cpu_offload (or run on GPUs)"
+            "--cpu_offload moves state from the accelerator to CPU memory, but this run is on the CPU: drop it"
         )
 
     # ---------------------------------------- data (checked before anything is written)
-    data = load_data(args, accelerator, context_length(args))
+    data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank, then sharded: init independent of the layout
+    set_seed(args.seed)  # Accelerate: the same full model on every rank, then sharded: init independent of layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     model, task = language_model(args, data)
@@ -178,16 +172,10 @@ def main():
     # One rank has nothing to shard: fully_shard would only add its per-unit hooks, about 3x DDP's
     # host time per step (docs/benchmarks.md). Like torchtitan, apply it from 2 ranks on, or to
     # offload the one copy to CPU memory.
-    shard = layout.dp > 1 or args.cpu_offload
-    if shard:
-        apply_fsdp(
-            units,
-            [model],
-            layout.fsdp_mesh or layout.sub("dp_shard"),
-            accelerator.mixed_precision,  # FSDP: shard every unit, then the root
-            reshard_after_forward=args.reshard_after_forward,
-            cpu_offload=args.cpu_offload,
-        )
+    shard = dp_size > 1 or args.cpu_offload
+    if shard:  # FSDP: shard every unit, then the root
+        mesh = layout.fsdp_mesh or layout.sub("dp_shard")
+        apply_fsdp(units, [model], mesh, accelerator.mixed_precision, args.reshard_after_forward, args.cpu_offload)
 
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
@@ -204,20 +192,15 @@ def main():
         train_loader,
         train_sampler,
         global_batch_size,
-        args.gradient_accumulation_steps,
+        grad_accum,
         progress,
         task.count_targets,
         dp_group=layout.group("dp"),
     )
     log = RunLog(accelerator, args, "train_fsdp", progress["step"], layout.world_size, global_batch_size)
-    reshard = "on (ZeRO-3; not the root, used first in backward)" if args.reshard_after_forward else "off (ZeRO-2 like)"
-    kind = f"FSDP over {layout.dp_shard} ranks; reshard after forward {reshard}"
-    if layout.dp_replicate > 1:
-        kind = f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards; reshard after forward {reshard}"
-    if not shard:
-        kind = "FSDP over 1 rank: nothing to shard, so fully_shard is not applied; launch 2 or more processes to shard"
+    fsdp_line = fsdp_start_line(layout, shard, args.reshard_after_forward)
     costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(task, model_line, n_params, data, [kind, costs], resume_path, layout)
+    log.start(task, model_line, n_params, data, [fsdp_line, costs], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
@@ -227,7 +210,7 @@ def main():
         window, global_targets = stream.next_step()
         with log.collectives():  # counts the first step's collectives
             # FSDP: per unit all-gather, compute, and in backward reduce-scatter the gradients
-            loss_sum = fsdp_forward_backward(accelerator, model, task, window, global_targets, layout.dp)
+            loss_sum = fsdp_forward_backward(accelerator, model, task, window, global_targets, dp_size)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # FSDP: each rank updates its own shard
@@ -246,12 +229,12 @@ def main():
     stream.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank: gathers the shards
+    if step == args.max_steps:  # every rank: gathers the shards, the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, log.first_step_collectives)
     log.summary(step, preempted=stream.preempted, **costs)
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
+    accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
 
 
 if __name__ == "__main__":

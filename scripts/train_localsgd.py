@@ -9,9 +9,9 @@ on its own data without talking to anyone, then averages the parameters once:
              <--- K local steps, no communication --->  one all-reduce of 4Ψ bytes (K x fewer than DDP)
 
 What is averaged: the parameters, and nothing else. Each rank keeps its own optimizer state
-(Adam moments drift apart between fusions and are never reconciled); the model has no buffers.
-What follows: with plain SGD, no clipping and K = 1 this IS data parallelism (averaging the
-parameters after a linear update equals averaging the gradients); with Adam, or K > 1, the
+(Adam moments drift apart between fusions and are never reconciled); buffers are not averaged (the
+built-in model has none). What follows: with plain SGD, no clipping and K = 1 this IS data parallelism
+(averaging the parameters after a linear update equals averaging the gradients); with Adam, or K > 1, the
 replicas wander apart between fusions and the fused model is an average of K-step-apart models:
 less communication, bought with some accuracy per step (benchmarks/bench_localsgd.py measures it).
 
@@ -32,32 +32,53 @@ Lines marked `# Accelerate:` are the library's part; `# Local SGD:` marks what d
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
 
 import torch
 from accelerate import DistributedType
 from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint, write_model_dir
-from common.data import data_source, load_data, make_eval_loader, make_train_loader
+from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, launcher_sharding, make_accelerator, run_main
-from common.metrics import RunLog, evaluate, peak_memory_mb, ring_allreduce_bytes
-from common.model import GPT, count_parameters, cross_entropy_sum
-from common.training import (
-    TrainStream,
-    compile_blocks,
-    make_optimizer,
-    make_scheduler,
-    model_config_from_args,
-    trainer_state,
-)
+from common.metrics import RunLog, evaluate, replicated_summary, ring_allreduce_bytes
+from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.task import check_loss_is_a_sum
+from common.training import TrainStream, compile_units, make_optimizer, make_scheduler
+
+
+# ======================================== Local SGD: the strategy
+def local_forward_backward(accelerator, model, task, window: list, global_targets, dp_size: int) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches; returns their loss sum. The gradients stay
+    local (LocalSGD keeps DDP in no_sync). The loss is normalised by the target count of the whole
+    global batch (all micro-batches, all ranks), as in train_ddp.py, and multiplied by dp_size
+    because the fusion averages the replicas: K = 1 with plain SGD is then DDP."""
+    step_loss_sum = torch.zeros((), device=accelerator.device)
+    for mb in window:
+        loss_sum, _ = task.loss_of(model, mb)
+        accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
+        step_loss_sum += loss_sum.detach()
+    return step_loss_sum
 
 
 def parameter_fingerprint(model) -> torch.Tensor:
     """One number that differs when any parameter differs (a position-weighted sum, in float64)."""
     return sum((i + 1) * p.detach().double().sum() for i, p in enumerate(model.parameters()))
+
+
+def replica_spread(accelerator, model) -> float:
+    """How far apart the replicas are: the spread of their fingerprints over the ranks, 0 right
+    after a fusion. Collective."""
+    fingerprints = accelerator.gather(parameter_fingerprint(model).reshape(1))  # Accelerate: all-gather
+    return (fingerprints.max() - fingerprints.min()).item()
+
+
+def replicas(accelerator, model, step: int, sync_every: int) -> dict:
+    """What a train record adds: whether `step` ended with a fusion, and the replicas' spread."""
+    fused = accelerator.num_processes > 1 and step % sync_every == 0
+    return {"fused": fused, "param_spread": replica_spread(accelerator, model)}
 
 
 def main():
@@ -80,7 +101,6 @@ def main():
         raise UsageError(
             f"--sync_every must be at least 1 (got {args.sync_every}): the number of local steps between two fusions"
         )
-    model_config = model_config_from_args(args)
     grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator
@@ -92,159 +112,134 @@ def main():
             f"Local SGD averages whole replicas and cannot run under {sharded} (a sharded strategy): launch without "
             "an FSDP/DeepSpeed config, e.g. --config_file accelerate_configs/cpu_multi.yaml"
         )
-    accelerator = make_accelerator(args, step_scheduler_with_optimizer=False)  # Accelerate: process group, device
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
+    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    accelerator = make_accelerator(
+        args,
+        cpu=args.cpu or not torch.cuda.is_available(),
+        step_scheduler_with_optimizer=False,
+    )
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         raise UsageError(
             f"Local SGD averages whole replicas: it cannot run under {accelerator.distributed_type}; launch without "
             "an FSDP/DeepSpeed config"
         )
-    dp_size = accelerator.num_processes
+    dp_size = accelerator.num_processes  # Local SGD: every process is a replica, holding the whole model
     global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
-    data = load_data(args, accelerator, model_config.block_size)
+    data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
-    eval_loader = make_eval_loader(data.validation, args.eval_batch_size)
-    resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
 
-    # ---------------------------------------- model
-    set_seed(args.seed)  # Accelerate: same seed on every rank, so the replicas start equal
-    model = GPT(model_config).to(accelerator.device)
-    n_params = count_parameters(model)
+    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
+    set_seed(args.seed)  # Accelerate: the same full model on every rank: the replicas start equal
+    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
+    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    model, task = language_model(args, data)
+    model = model.to(accelerator.device)
+    n_params, model_line = count_parameters(model), task.describe(model)
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
     if args.compile:
-        compile_blocks(model, accelerator)  # each block, before DDP wraps the model
+        compile_units(
+            task.units(model), accelerator
+        )  # each repeated unit, before DDP wraps the model: its all-reduce hooks stay outside
 
     # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
     train_sampler = train_loader.sampler
-    # Accelerate: DDP wrapper (kept in no_sync by LocalSGD below), devices, loader sharding
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
-    )
+
+    # ---------------------------------------- Local SGD: the strategy
+    # Accelerate: wraps the model in DistributedDataParallel (kept in no_sync by LocalSGD below),
+    # moves everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    # Local SGD: LocalSGD keeps DDP in no_sync() from here on (no gradient all-reduce), averages the parameters
+    # in local_sgd.step() every K steps, and once more in local_sgd.__exit__(), after the loop.
+    local_sgd = LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=args.sync_every, enabled=dp_size > 1)
+    local_sgd.__enter__()
+
+    check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
-    stream = TrainStream(accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress)
+    local_sgd.num_steps = progress["step"]  # Local SGD: a resumed run fuses at the same steps as an uninterrupted one
+    stream = TrainStream(
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        grad_accum,
+        progress,
+        task.count_targets,
+    )
+    log = RunLog(accelerator, args, "train_localsgd", progress["step"], dp_size, global_batch_size)
+    fusion_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 parameters, once per fusion
+    fusion_line = f"Local SGD: fusing every {args.sync_every} steps; {fusion_mib:.1f} MiB per fusion and rank"
+    per_step = f"{fusion_mib / args.sync_every:.2f} MiB per step (DDP: {fusion_mib:.1f} MiB per step)"
+    log.start(task, model_line, n_params, data, [f"{fusion_line} = {per_step}"], resume_path)
 
     # ---------------------------------------- the training loop
-    step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_localsgd", step, dp_size, global_batch_size)
-    fusion_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 parameters, once per fusion
-    log.start(
-        model_config,
-        n_params,
-        data,
-        resume_path=resume_path,
-        strategy_lines=[
-            f"Local SGD: fusing every {args.sync_every} steps; {fusion_mib:.1f} MiB per fusion and rank = "
-            f"{fusion_mib / args.sync_every:.2f} MiB per step (DDP: {fusion_mib:.1f} MiB per step)"
-        ],
-    )
-    fusions = 0
+    step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
-    # Local SGD: LocalSGD keeps DDP in no_sync() for the whole block (no gradient all-reduce),
-    # averages the parameters in local_sgd.step() every K steps, and once more on leaving the block.
-    with LocalSGD(
-        accelerator=accelerator, model=model, local_sgd_steps=args.sync_every, enabled=dp_size > 1
-    ) as local_sgd:
-        local_sgd.num_steps = step  # Local SGD: a resumed run fuses at the same steps as an uninterrupted one
-        while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
-            log.step_start()
-            window, global_targets = stream.next_step()
-            loss_sum = torch.zeros((), device=accelerator.device)
-            for mb in window:
-                mb_loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
-                # Local SGD: gradients stay local; times dp_size because the fusion averages the replicas
-                accelerator.backward(mb_loss_sum * dp_size / global_targets)
-                loss_sum += mb_loss_sum.detach()
-            grad_norm = (
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm > 0 else None
-            )
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            local_sgd.step()  # Local SGD: every sync_every-th step, average the parameters over the ranks
-            fused = dp_size > 1 and (step + 1) % args.sync_every == 0
-            fusions += fused
-            step += 1
-            log.step_end()
+    while step < last_step and not stream.preempted:
+        log.step_start()
+        window, global_targets = stream.next_step()
+        # Local SGD: forward and backward of each micro-batch; the gradients stay on this rank
+        loss_sum = local_forward_backward(accelerator, model, task, window, global_targets, dp_size)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        local_sgd.step()  # Local SGD: every sync_every-th step, average the parameters over the ranks
+        step += 1
+        log.step_end()
 
-            if log.is_log_step(step):
-                loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-                fingerprints = accelerator.gather(
-                    parameter_fingerprint(model).reshape(1)
-                )  # how far apart the replicas are
-                log.train(
-                    step,
-                    loss,
-                    lr,
-                    grad_norm,
-                    fused=fused,
-                    param_spread=(fingerprints.max() - fingerprints.min()).item(),
-                    epoch=stream.epoch,
-                )
-            if args.eval_every and step % args.eval_every == 0 and step < args.max_steps:
-                # between fusions each rank scores its shard with its own replica: a mix of the replicas
-                log.eval(step, evaluate(accelerator, model, eval_loader, data.task))
-            if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
-                state = trainer_state(step, stream, args, model_config, global_batch_size, dp_size)
-                # Local SGD: the replicas (and their optimizer states) differ: every rank saves its own
-                save_checkpoint(
-                    accelerator,
-                    model,
-                    optimizer,
-                    scheduler,
-                    state,
-                    args.output_dir,
-                    args.keep_last,
-                    per_rank_state=True,
-                )
-        stream.close()
-        if args.save_rank_models and step == args.max_steps:  # every rank writes its own, before the final fusion
-            local_state = {k.removeprefix("module."): v.detach().cpu() for k, v in model.state_dict().items()}
-            rank_dir = Path(args.output_dir) / "rank_models" / f"rank_{accelerator.process_index}"
-            write_model_dir(local_state, model_config, data_source(args), rank_dir)
-        accelerator.wait_for_everyone()
-    fusions += dp_size > 1 and step % args.sync_every != 0  # leaving the block fused once more
+        if log.due(step, "train"):
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            fusion = replicas(accelerator, model, step, args.sync_every)  # Local SGD: fused? how far apart?
+            log.train(step, loss, lr, grad_norm, **fusion, epoch=stream.epoch)
+        if log.due(step, "eval") and step < args.max_steps:  # Local SGD: the last one scores the fused model
+            # between fusions each rank scores its share of the samples with its own replica
+            log.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
+        if log.due(step, "checkpoint") or stream.preempted:  # Local SGD: the replicas differ: every rank saves its own
+            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts, per_rank_state=True)
+    stream.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:
-        final_spread = accelerator.gather(parameter_fingerprint(model).reshape(1))
-        log.eval(
-            step,
-            evaluate(accelerator, model, eval_loader, data.task),
-            fused_model=True,  # the fused model
-            param_spread=(final_spread.max() - final_spread.min()).item(),
-        )
-        export_model(
-            accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model"
-        )  # the fused model
-    steps_run = max(1, step - start_step)
-    peak_mb = accelerator.gather(
-        torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device)
-    )  # Accelerate: all-gather
+    if args.save_rank_models and step == args.max_steps:  # Local SGD: every rank writes its own, before the fusion
+        local_state = {k.removeprefix("module."): v.detach().cpu() for k, v in model.state_dict().items()}
+        rank_dir = Path(args.output_dir) / "rank_models" / f"rank_{accelerator.process_index}"
+        task.export(local_state, rank_dir, data_source(args))
+    local_sgd.__exit__(None, None, None)  # Local SGD: the final fusion (it waits for every rank); DDP leaves no_sync
+    start_step, sync_every = progress["step"], args.sync_every
+    # Local SGD: the fusions of this run: at the multiples of K, and the last one unless it fell on one
+    fusions = step // sync_every - start_step // sync_every + (step % sync_every != 0) if dp_size > 1 else 0
+    if step == args.max_steps:  # every rank: the main process writes
+        result = evaluate(accelerator, model, task, data.validation, args.eval_batch_size)
+        log.eval(step, result, fused_model=True, param_spread=replica_spread(accelerator, model))
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")  # the fused model
     n_tensors = len(list(model.parameters()))
+    costs = replicated_summary(accelerator, n_params, 0.0)  # no gradient all-reduce: parameters, once per fusion
     log.summary(
         step,
         preempted=stream.preempted,
-        n_params=n_params,
-        sync_every=args.sync_every,
+        **costs,
+        sync_every=sync_every,
         fusions=fusions,
         param_allreduce_calls=fusions * n_tensors,
         param_allreduce_mib_per_rank=round(fusions * fusion_mib, 3),
-        allreduce_mib_per_step_per_rank=round(fusions * fusion_mib / steps_run, 4),
+        allreduce_mib_per_step_per_rank=round(fusions * fusion_mib / max(1, step - start_step), 4),
         ddp_allreduce_mib_per_step_per_rank=round(fusion_mib, 4) if dp_size > 1 else 0.0,
-        peak_memory_mb_max_rank=round(peak_mb.max().item(), 1),
     )
     if args.save_rank_models and step == args.max_steps:
         accelerator.print(
             f"each rank's model before the final fusion: {Path(args.output_dir) / 'rank_models'}/rank_<r> "
             "(fuse them with scripts/merge_checkpoints.py)"
         )
-    del model, optimizer, scheduler, train_loader, eval_loader, stream, local_sgd
+    del model, optimizer, scheduler, train_loader, stream, local_sgd  # free DDP's wrapper while every peer is there
     accelerator.free_memory()
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
 
 
 if __name__ == "__main__":

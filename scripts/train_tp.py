@@ -21,21 +21,25 @@ heads, MLP columns), row-parallel ones their inputs, so each pair needs one all-
     becomes an all-gather (before attention/MLP) plus a reduce-scatter (after them).
 
 Run it:
-    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_tp.py --tp_size 2
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_tp.py
     accelerate launch --config_file accelerate_configs/gpu_multi.yaml scripts/train_tp.py \\
-        --tp_size 8 --sequence_parallel --loss_parallel
-With --tp_size smaller than the number of processes, the remaining factor trains data parallel
-(FSDP, with `apply_fsdp` from train_fsdp.py), as in train_hybrid.py.
-Lines marked `# TP:` are the strategy; `# Accelerate:` the library's part.
+        --sequence_parallel --loss_parallel
+    python scripts/train_tp.py                     # one process: nothing to split, the plan is not applied
+TP only: the TP group is every process. Data parallel beside TP (dp x tp) is train_hybrid.py's.
+The MODEL section holds the plan, {module name: how to split it}: the built-in GPT's, or a 🤗
+Llama-family model's (common/hf.py). Lines marked `# TP:` are the strategy; `# Accelerate:` the
+library's part.
 """
 
 import sys
 from contextlib import nullcontext
+from fnmatch import fnmatch
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
 
 import torch
+import torch.nn as nn
 from accelerate.utils import set_seed
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -54,32 +58,15 @@ from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import (
-    CollectiveCounter,
-    RunLog,
-    evaluate_sharded,
-    first_step_line,
-    sharded_start_lines,
-    sharded_summary,
-    training_state_bytes,
-)
-from common.model import GPT, count_parameters, cross_entropy_sum
-from common.training import (
-    TrainStream,
-    clip_grad_norm_,
-    compile_blocks,
-    make_optimizer,
-    make_scheduler,
-    model_config_from_args,
-    shard_loader,
-    trainer_state,
-)
-from train_fsdp import apply_fsdp
+from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
+from common.model import context_length, count_parameters, language_model
+from common.task import check_loss_is_a_sum
+from common.training import TrainStream, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 
 
-# ======================================== TP: the strategy
-def tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """Megatron's split, as a parallelize_module plan (only for the parts this rank holds).
+# ======================================== MODEL: the TP plan, {module name: style} (docs/your-model.md)
+def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """Megatron's split of the built-in GPT, as a parallelize_module plan (only for the parts this rank holds).
 
     Per block: q/k/v column-wise (each rank computes n_head/tp heads), o_proj row-wise;
     up_proj column-wise, down_proj row-wise. One all-reduce after o_proj and one after
@@ -123,32 +110,130 @@ def tensor_parallel_plan(model: GPT, sequence_parallel: bool, loss_parallel: boo
     return plan
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
-    """parallelize_module swaps each weight for a DTensor shard and adds the f/g collectives as hooks."""
-    parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel, loss_parallel))
+def model_tp_plan(model: nn.Module, task, layout: Layout, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """This model's plan, after checking that the TP degree divides what the plan splits (heads, MLP
+    width, vocabulary): a 🤗 Llama-family model's (its units at model.layers; common/hf.py), else the
+    built-in GPT's (above). A model of your own: return its plan here (docs/your-model.md)."""
+    if task.units_path == "model.layers":  # a 🤗 transformers model (HFCausalLMTask)
+        from common.hf import check_tp_divides, llama_tp_plan
+
+        check_tp_divides(model, layout.tp)
+        return llama_tp_plan(model, sequence_parallel, loss_parallel)
+    layout.check_model(task.cfg)  # the GPTConfig: heads, MLP width (4 x n_embd) and vocabulary
+    return tensor_parallel_plan(model, sequence_parallel, loss_parallel)
+
+
+# ======================================== TP: the strategy
+WHERE = "in the MODEL section of train_tp.py (docs/your-model.md)"
+
+
+def check_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Before parallelize_module, which only warns about a key that matches no module (and leaves that
+    part whole), and would apply a plan that has no place for a flag (the flag then changes nothing):
+    every key names a module of the model; --sequence_parallel has a SequenceParallel style to act on;
+    --loss_parallel has an output layer that keeps its logits sharded over the vocabulary. One line each."""
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [key for key in plan if key and not any(_key_matches(key, name) for name in names)]
+    if unmatched:
+        more = f" (and {len(unmatched) - 1} more key{'s' if len(unmatched) > 2 else ''})" if len(unmatched) > 1 else ""
+        raise UsageError(
+            f"the TP plan names '{unmatched[0]}'{more}, but the model ({type(model).__name__}) has no module by "
+            f"that name; {_what_the_model_has(model, unmatched[0])}: name the model's modules in its TP plan, {WHERE}"
+        )
+    kinds = sorted({type(style).__name__ for style in plan.values()})
+    if sequence_parallel and not any(isinstance(style, SequenceParallel) for style in plan.values()):
+        raise UsageError(
+            "--sequence_parallel: the TP plan has no SequenceParallel style (for the norms, which then work on a "
+            f"slice of the sequence), only {', '.join(kinds)}: the plan ignores the flag; place SequenceParallel() "
+            f"on the norms when sequence_parallel is set, {WHERE}, or drop --sequence_parallel"
+        )
+    if loss_parallel and not any(_shards_vocabulary(style) for style in plan.values()):
+        columns = [(key, style) for key, style in plan.items() if isinstance(style, ColwiseParallel)]
+        last = f"its last column-wise layer, {_output_of(*columns[-1])}" if columns else "it has no column-wise layer"
+        raise UsageError(
+            "--loss_parallel: the TP plan has no output layer that keeps its logits sharded over the vocabulary "
+            f"(ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)); {last}: the plan ignores the "
+            f"flag; shard the output layer that way when loss_parallel is set, {WHERE}, or drop --loss_parallel"
+        )
+
+
+def _key_matches(key: str, name: str) -> bool:
+    """parallelize_module's matching: one fnmatch pattern per dotted part."""
+    parts, pattern = name.split("."), key.split(".")
+    return len(parts) == len(pattern) and all(fnmatch(p, q) for p, q in zip(parts, pattern, strict=True))
+
+
+def _what_the_model_has(model: nn.Module, key: str) -> str:
+    """The model's top-level modules, and those under the deepest part of `key` it has (else its first unit)."""
+
+    def children(module: nn.Module) -> str:
+        names = [name for name, _ in module.named_children()]
+        return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") or "none"
+
+    parts = key.split(".")
+    found = ""
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        try:
+            found = f"{prefix} holds {children(model.get_submodule(prefix))}"
+            break
+        except AttributeError:
+            continue
+    if not found:
+        units = next(
+            ((n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)), None
+        )
+        if units:
+            first = next(iter(units[1].named_children()))
+            found = f"its first unit, {units[0]}.{first[0]}, holds {children(first[1])}"
+    return f"its top-level modules are {children(model)}" + (f"; {found}" if found else "")
+
+
+def _shards_vocabulary(style) -> bool:
+    return isinstance(style, ColwiseParallel) and not style.use_local_output and Shard(-1) in style.output_layouts
+
+
+def _output_of(key: str, style) -> str:
+    layouts = ", ".join(repr(layout) for layout in style.output_layouts)
+    return f"'{key}', outputs {layouts} as a {'local tensor' if style.use_local_output else 'DTensor'}"
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict) -> None:
+    """parallelize_module swaps each weight the plan names for a DTensor shard over `tp_mesh` (a 1-D mesh)
+    and adds the f/g collectives as hooks. `plan`: {module name: style}, the MODEL section's (model_tp_plan),
+    checked with check_tp_plan first."""
+    parallelize_module(model, tp_mesh, plan)
 
 
 def tp_forward_backward(
-    accelerator, model, window: list, global_targets: torch.Tensor, dp_size: int, use_loss_parallel: bool
+    accelerator,
+    model,
+    task,
+    window: list,
+    global_targets: torch.Tensor,
+    use_loss_parallel: bool,
+    dp_size: int = 1,
+    counts_loss: bool = True,
 ) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches (the whole TP group runs the same ones);
-    returns their loss sum. Normalised by the global batch's target count, times dp because the
-    data-parallel part (FSDP) averages gradients over the dp ranks."""
+    returns their loss sum where `counts_loss` (the ranks of a TP group hold the same sum: one per group
+    counts it, layout.holds_loss), else zero. Normalised by the global batch's target count, times
+    `dp_size` where a data-parallel part (FSDP, train_hybrid.py) averages gradients over dp ranks."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for i, mb in enumerate(window):
-        if isinstance(model, FSDPModule):  # data parallel beside TP: one reduce-scatter, after the last micro-batch
+        if isinstance(model, FSDPModule):  # data parallel beside TP (hybrid): one reduce-scatter, at the last
             model.set_requires_gradient_sync(i == len(window) - 1)
         with (
             accelerator.autocast(),
             loss_parallel() if use_loss_parallel else nullcontext(),
         ):  # TP: loss on vocab shards
-            loss_sum, _ = cross_entropy_sum(model(mb["input_ids"]), mb["labels"])
+            loss_sum, _ = task.loss_of(model, mb)
             accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach().full_tensor() if isinstance(loss_sum, DTensor) else loss_sum.detach()
-    return step_loss_sum
+    return step_loss_sum if counts_loss else torch.zeros_like(step_loss_sum)
 
 
-def check_tp_flags(layout: Layout, seq_len: int, task: str, sequence_parallel: bool, loss_parallel: bool) -> None:
+def check_tp_flags(layout: Layout, seq_len: int, data_task: str, sequence_parallel: bool, loss_parallel: bool) -> None:
     """--sequence_parallel / --loss_parallel need a TP group; sequence parallel also needs every
     rank to get an equal slice of the sequence (docs/troubleshooting.md, "Sequence parallel needs
     a divisible sequence length")."""
@@ -160,13 +245,39 @@ def check_tp_flags(layout: Layout, seq_len: int, task: str, sequence_parallel: b
     if sequence_parallel and seq_len % layout.tp:
         hint = (
             "choose --addition_digits d with 3d+4 divisible by it (d = 4 gives 16 tokens)"
-            if task == "addition"
+            if data_task == "addition"
             else "use a --block_size divisible by it"
         )
         raise UsageError(
             f"--sequence_parallel splits the {seq_len}-token sequence over --tp_size {layout.tp} ranks, "
             f"which does not divide it: {hint}"
         )
+
+
+def tp_start_lines(model: nn.Module, plan: dict, layout: Layout, args, seq_len: int) -> tuple[list[str], dict]:
+    """What the plan splits, and Megatron's count of the step's all-reduces (2 per row-wise Linear: g in
+    forward, f in backward, each of b*s*d activations in fp32), for the start lines and the summary."""
+    if layout.tp == 1:
+        return ["tensor parallel: 1 rank per group: nothing to split, so the TP plan is not applied"], {}
+    modules = dict(model.named_modules())
+    row = [modules[k] for k, s in plan.items() if isinstance(s, RowwiseParallel) and isinstance(modules[k], nn.Linear)]
+    n_col = sum(isinstance(s, ColwiseParallel) for s in plan.values())
+    n_row = sum(isinstance(s, RowwiseParallel) for s in plan.values())
+    width = max((m.out_features for m in row), default=0)
+    mib = 4 * args.batch_size * seq_len * width / 2**20  # one all-reduce of b*s*d, fp32
+    on_off = {True: "on", False: "off"}
+    lines = [
+        f"tensor parallel: {layout.tp} ranks per group; the plan splits {n_col} layers column-wise (outputs: heads, "
+        f"MLP columns, vocabulary) and {n_row} row-wise (inputs), 1/{layout.tp} of each per rank; sequence parallel "
+        f"{on_off[args.sequence_parallel]}, loss parallel {on_off[args.loss_parallel]}",
+        f"Megatron's count per step: 2 all-reduces per row-wise layer of b*s*d = {mib:.3f} MiB "
+        f"({2 * len(row)} for {len(row)} row-wise Linear layers); measured below",
+    ]
+    figures = {
+        "megatron_allreduce_mib_each": round(mib, 4),
+        "megatron_allreduces_per_step": 2 * len(row) * args.gradient_accumulation_steps,
+    }
+    return lines, figures
 
 
 def main():
@@ -177,7 +288,7 @@ def main():
         "--tp_size",
         type=int,
         default=-1,
-        help="ranks per TP group (-1: all processes, pure TP; 1: no TP split, FSDP over all processes)",
+        help="ranks per TP group: all processes (-1, or their number); data parallel beside TP is train_hybrid.py's",
     )
     g.add_argument(
         "--sequence_parallel",
@@ -193,48 +304,62 @@ def main():
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/tp"
     check_core_args(args)
-    model_config = model_config_from_args(args)
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
-    # the scheduler counts optimizer steps, whatever the layout.
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
+    # On a machine without CUDA, make_accelerator passes Accelerator(cpu=True): without it, the N processes
+    # of a torchrun-style launch would each train alone (docs/troubleshooting.md).
+    # The scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded="train_tp", step_scheduler_with_optimizer=False)
-    layout = Layout.from_degrees(
-        accelerator.num_processes, tp=args.tp_size, dp_shard=1 if args.tp_size == -1 else -1
-    )  # TP x the rest
-    layout.check_model(model_config)  # TP divides the heads, the MLP width and the vocabulary
-    global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
+    n = accelerator.num_processes
+    layout = Layout.from_degrees(n, tp=args.tp_size, dp_shard=1 if args.tp_size == -1 else -1)  # TP: all ranks
+    if layout.dp > 1:
+        raise UsageError(
+            f"--tp_size {layout.tp} on {n} processes leaves {layout.dp} data-parallel groups, but train_tp.py is "
+            f"tensor parallel only: drop --tp_size (TP over all {n} processes), or train data parallel beside TP "
+            f"with train_hybrid.py --dp_shard {layout.dp} --tp_size {layout.tp}"
+            + (" (no TP split at all: train_fsdp.py)" if layout.tp == 1 else "")
+        )
+    dp_size = layout.dp  # 1: every rank of the TP group reads the same batch
+    global_batch_size = args.batch_size * dp_size * args.gradient_accumulation_steps
 
     # ---------------------------------------- data (checked before anything is written)
-    data = load_data(args, accelerator, model_config.block_size)
+    data = load_data(args, accelerator, context_length(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     check_tp_flags(layout, data.seq_len, data.task, args.sequence_parallel, args.loss_parallel)
-    resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
-    layout.build_mesh(accelerator.device.type)
 
-    # ---------------------------------------- model
+    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
     set_seed(args.seed)  # Accelerate: the same full model on every rank, then split: init independent of the layout
-    model = GPT(model_config).to(accelerator.device)
-    n_params = count_parameters(model)
+    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
+    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    model, task = language_model(args, data)
+    model = model.to(accelerator.device)
+    units = task.units(model)  # the repeated units: --compile
+    n_params, model_line = count_parameters(model), task.describe(model)
+    # the TP plan, {module name: style} (above); one rank has nothing to split
+    plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
+    check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model and flags
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- TP: the strategy
     # A TP group of one rank has nothing to split: the plan would only route every op through
     # DTensor, about 4x DDP's host time per step (docs/benchmarks.md). Like torchtitan, skip it.
     if layout.tp > 1:
-        apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)  # TP: split blocks
+        apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: every weight the plan names becomes a shard
     if args.compile:
-        compile_blocks(model, accelerator)  # after the TP split, before FSDP
-    if layout.dp > 1:  # processes beyond the TP group: data parallel over the TP groups (FSDP)
-        apply_fsdp(model, [model], layout.fsdp_mesh, accelerator.mixed_precision)
+        compile_units(units, accelerator)  # after the TP split
 
     # ---------------------------------------- optimizer (after splitting: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
     # Accelerate: optimizer/scheduler wrappers (not the model: TP owns it);
-    # the loader is sharded over the data-parallel ranks only
+    # the loader is sharded over the data-parallel ranks only: none here, the TP group reads one batch
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
+    lp = loss_parallel() if args.loss_parallel else None  # TP: the loss on vocabulary shards
+    check_loss_is_a_sum(task, model, data.validation, accelerator.device, lp)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     stream = TrainStream(
         accelerator,
@@ -243,78 +368,48 @@ def main():
         global_batch_size,
         args.gradient_accumulation_steps,
         progress,
+        task.count_targets,
         dp_group=layout.group("dp"),
     )
+    log = RunLog(accelerator, args, "train_tp", progress["step"], layout.world_size, global_batch_size)
+    tp_lines, megatron = tp_start_lines(model, plan, layout, args, data.seq_len)
+    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
+    log.start(task, model_line, n_params, data, [*tp_lines, costs], resume_path, layout)
 
     # ---------------------------------------- the training loop
-    step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_tp", step, layout.world_size, global_batch_size)
-    heads, cols = model_config.n_head, 4 * model_config.n_embd
-    megatron_mib = 4 * args.batch_size * data.seq_len * model_config.n_embd / 2**20  # one activation all-reduce, fp32
-    on_off = {True: "on", False: "off"}
-    tp_line = (
-        f"tensor parallel: {layout.tp} ranks per group, {heads // layout.tp} of {heads} heads and {cols // layout.tp} "
-        f"of {cols} MLP columns each; sequence parallel {on_off[args.sequence_parallel]}, "
-        f"loss parallel {on_off[args.loss_parallel]}"
-    )
-    megatron_line = (
-        f"Megatron's count per step: 4 all-reduces per layer of b*s*d = {megatron_mib:.3f} MiB "
-        f"({4 * model_config.n_layer} for {model_config.n_layer} layers); measured below"
-    )
-    tp_lines = [tp_line, megatron_line]
-    if layout.tp == 1:
-        fsdp = f" (FSDP over the {layout.dp} ranks)" if layout.dp > 1 else ""
-        tp_lines = [f"tensor parallel: 1 rank per group{fsdp}: nothing to split, so the TP plan is not applied"]
-    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(model_config, n_params, data, [*tp_lines, costs], resume_path, layout)
-    state_bytes, comm = {}, {}  # measured on the first step
+    step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
+    holds_loss = layout.holds_loss  # the ranks of a TP group hold the same loss sum: TP rank 0 counts it
     model.train()
-    while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
+    while step < last_step and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
-        # the first step's collectives are counted (not under --compile: a dispatch mode stops it)
-        with CollectiveCounter(enabled=step == start_step and not args.compile) as counter:
+        with log.collectives():  # counts the first step's collectives
             # TP: every layer's f/g collectives run inside forward and backward
-            loss_sum = tp_forward_backward(accelerator, model, window, global_targets, layout.dp, args.loss_parallel)
-        # over the shards: the whole model's norm
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))
+            loss_sum = tp_forward_backward(
+                accelerator, model, task, window, global_targets, args.loss_parallel, counts_loss=holds_loss
+            )
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # TP: each rank updates its slice of every matrix
         scheduler.step()
-        if step == start_step:
-            state_bytes, comm = training_state_bytes(model, optimizer), counter.report()
-            log.write(first_step_line(state_bytes, comm))
         optimizer.zero_grad(set_to_none=True)
         step += 1
         log.step_end()
 
-        if log.is_log_step(step):
-            # the ranks of a TP group hold the same loss sum: one per data-parallel replica counts it
-            loss_sum = loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
+        if log.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
             log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
-        if log.is_eval_step(step):
-            model.eval()
-            result = evaluate_sharded(accelerator, model, data.validation, args.eval_batch_size, layout, data.task)
-            model.train()
-            log.eval(step, result)
-        if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
-            state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
-            # every rank writes its part (a collective)
-            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
+        if log.due(step, "eval"):  # each sample counted once, by TP rank 0 (layout.holds_loss)
+            log.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
+        if log.due(step, "checkpoint") or stream.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts)
     stream.close()
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank: gathers the shards
-        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout)
-    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
-    log.summary(
-        step,
-        preempted=stream.preempted,
-        **costs,
-        megatron_allreduce_mib_each=round(megatron_mib, 4),
-        megatron_allreduces_per_step=4 * model_config.n_layer * args.gradient_accumulation_steps,
-    )
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, log.first_step_collectives)
+    log.summary(step, preempted=stream.preempted, **costs, **megatron)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

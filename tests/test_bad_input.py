@@ -134,7 +134,13 @@ def test_new_run_does_not_overwrite_an_old_one(finished_run, data_cache):
 
 def test_resume_with_another_model_size_is_refused(finished_run, data_cache):
     flags = ["--n_layer", "3", "--max_steps", "6", "--resume_from_checkpoint", "latest"]
-    assert_refused_untouched(finished_run, data_cache, flags, "saved by another model", "n_layer 2 vs 3")
+    assert_refused_untouched(
+        finished_run,
+        data_cache,
+        flags,
+        "saved by another model",
+        "blocks.2.ln_1.weight: absent in the checkpoint, [64] in this model",
+    )
 
 
 def test_resume_with_another_global_batch_is_refused(finished_run, data_cache):
@@ -188,7 +194,7 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
             "train_pp.py",
             2,
             ["--n_layer", "1"],
-            ["--pp_size 2 x --stages_per_rank 1 = 2 stages, but the model has 1 layers"],
+            ["--pp_size 2 x --stages_per_rank 1 = 2 stages, but the model has 1 units"],
         ),
         (
             "train_pp.py",
@@ -202,7 +208,7 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
             ["--schedule", "1f1b", "--n_microbatches", "1", "--batch_size", "4"],
             ["--n_microbatches 1 is fewer than the 2 pipeline ranks"],
         ),
-        ("train_fsdp.py", 1, ["--cpu_offload"], ["--cpu_offload", "already on the CPU"]),
+        ("train_fsdp.py", 1, ["--cpu_offload"], ["--cpu_offload", "this run is on the CPU: drop it"]),
         ("train_hybrid.py", 1, ["--tp_size", "2", "--dp_shard", "1"], ["= 2, but 1 processes were started"]),
         (
             "train_hybrid.py",

@@ -126,8 +126,10 @@ def one_process_run():
 
 def state(step: int) -> dict:
     config = GPTConfig.from_preset("tiny").to_dict()
+    shapes = {name: list(p.shape) for name, p in GPT(GPTConfig.from_preset("tiny")).named_parameters()}
     return {"step": step, "epoch": 0, "samples_in_epoch": 0, "global_batch_size": 8, "world_size": 1} | {
         "seed": 0,
+        "param_shapes": shapes,
         "model_config": config,
     }
 
@@ -136,7 +138,7 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
     """Every deletion of a checkpoint happens while a newer complete one exists; a save that dies
     while writing leaves the previous checkpoint readable; the next save clears its leftovers."""
     accelerator, model, optimizer, scheduler = one_process_run()
-    save = lambda step: checkpoint.save_checkpoint(  # noqa: E731
+    save = lambda step: checkpoint.write_checkpoint(  # noqa: E731
         accelerator, model, optimizer, scheduler, state(step), tmp_path, keep_last=1
     )
     save(5)

@@ -1,9 +1,9 @@
-"""train_pp.py: pipeline parallelism (torch.distributed.pipelining), every schedule, against the
-single-process run of the same 4-layer model."""
+"""train_pp.py: pure pipeline parallelism (torch.distributed.pipelining), every schedule, against the
+single-process run of the same 4-layer model; what it refuses (dp x pp is train_hybrid.py's)."""
 
 import pytest
 
-from conftest import TINY, assert_layout, assert_matches_reference, resume_and_evaluate, summary
+from conftest import TINY, assert_layout, assert_matches_reference, launch_tiny, resume_and_evaluate, summary
 
 # one xdist worker runs these tests: its parity runs are also the straight runs of its resume tests (shared_run)
 pytestmark = pytest.mark.xdist_group("pp")
@@ -47,3 +47,29 @@ def test_resume_under_pp_is_exact_and_final_model_evaluates(tmp_path, data_cache
     flags = [*TINY, *FLAGS, *schedule, "--data_cache_dir", data_cache]
     straight = shared_run("train_pp.py", 2, *FLAGS, *schedule)  # also a case of the test above
     resume_and_evaluate("train_pp.py", flags, tmp_path, straight)
+
+
+def assert_refused(result, *needles: str) -> None:
+    """Refused with one `error:` line holding every needle."""
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.mark.parametrize(
+    "nproc, flags, needles",
+    [
+        # one strategy per file: pipelines trained data parallel are train_hybrid.py's
+        (2, ["--pp_size", "1"], ["--pp_size 1 on 2 processes", "train_hybrid.py", "--pp_size N --dp_shard M"]),
+        # the stage count comes from the model's units (Task.units), not from a GPT config
+        (2, ["--n_layer", "1"], ["--pp_size 2 x --stages_per_rank 1 = 2 stages, but the model has 1 units (Block)"]),
+        (1, ["--n_layer", "1", "--schedule", "interleaved_1f1b"], ["= 2 stages, but the model has 1 units"]),
+    ],
+)
+def test_refused_before_any_work(nproc, flags, needles, tmp_path, data_cache):
+    out = tmp_path / "run"
+    result = launch_tiny("train_pp.py", out, data_cache, "--max_steps", "2", *flags, nproc=nproc, check=False)
+    assert_refused(result, *needles)
+    assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"

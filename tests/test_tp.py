@@ -1,8 +1,26 @@
-"""train_tp.py: Megatron-style tensor parallelism (DTensor), against the single-process run."""
+"""train_tp.py: Megatron-style tensor parallelism (DTensor), against the single-process run; and its
+refusals: data parallel beside TP (train_hybrid.py's), and a TP plan that does not fit the model or the
+flags (the plan lives in the script's MODEL section, so these run an edited copy of the script)."""
+
+import shutil
+import sys
 
 import pytest
+from test_bad_input import assert_refused
 
-from conftest import TINY, assert_layout, assert_matches_reference, launch_tiny, resume_and_evaluate, summary
+from conftest import (
+    CPU_MULTI,
+    SCRIPTS,
+    TINY,
+    assert_layout,
+    assert_matches_reference,
+    free_port,
+    job_env,
+    launch_tiny,
+    resume_and_evaluate,
+    run_cmd,
+    summary,
+)
 
 # one xdist worker runs these tests: its parity runs are also the straight runs of its resume tests (shared_run)
 pytestmark = pytest.mark.xdist_group("tp")
@@ -45,18 +63,6 @@ def test_matches_single_process(nproc, extra, reference, shared_run):
         assert_communication_matches_megatron(s)
 
 
-def test_tp_size_1_trains_fsdp_over_all_ranks(reference, tmp_path, data_cache):
-    """--tp_size 1 on 2 processes: a TP group of one rank has nothing to split, so the plan is not
-    applied and the two ranks train FSDP; the run says so and still matches."""
-    out = tmp_path / "tp1"
-    result = launch_tiny("train_tp.py", out, data_cache, *FLAGS, "--tp_size", "1", "--batch_size", "8", nproc=2)
-    assert "tensor parallel: 1 rank per group (FSDP over the 2 ranks): nothing to split" in result.stdout
-    assert_layout(out, tp=1, dp_shard=2, pp=1)
-    assert_matches_reference(reference(*FLAGS), out, STEPS)
-    assert summary(out)["collectives_first_step_rank0"]["all_gather"]["calls"] == 5  # FSDP's, and no TP all-reduce
-    assert "all_reduce" not in summary(out)["collectives_first_step_rank0"]
-
-
 def assert_communication_matches_megatron(s: dict) -> None:
     """Measured collectives of one step vs Megatron's count: per layer 2 all-reduces forward and 2
     backward of b*s*d, plus the vocab-parallel embedding's (forward) and the head input's (backward)."""
@@ -71,3 +77,80 @@ def test_resume_is_exact_and_final_model_evaluates(tmp_path, data_cache, shared_
     flags = [*TINY, *FLAGS, "--data_cache_dir", data_cache, "--sequence_parallel"]
     straight = shared_run("train_tp.py", 2, *FLAGS, "--sequence_parallel")  # also a case of the test above
     resume_and_evaluate("train_tp.py", flags, tmp_path, straight)
+
+
+def test_tp_size_below_the_processes_is_refused(tmp_path, data_cache):
+    """train_tp.py is TP only: --tp_size 1 on 2 processes would leave 2 data-parallel groups (train_hybrid.py's)."""
+    out = tmp_path / "run"
+    result = launch_tiny("train_tp.py", out, data_cache, *FLAGS, "--tp_size", "1", nproc=2, check=False)
+    assert_refused(
+        result,
+        "--tp_size 1 on 2 processes leaves 2 data-parallel groups, but train_tp.py is tensor parallel only",
+        "train_hybrid.py --dp_shard 2 --tp_size 1 (no TP split at all: train_fsdp.py)",
+    )
+    assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
+
+
+def edited_copy(tmp_path, old: str, new: str):
+    """scripts/train_tp.py and scripts/common copied to tmp_path, with `old` replaced by `new` in the copy's
+    MODEL section (the plan of the built-in GPT): what a user changing that section would run."""
+    scripts = tmp_path / "scripts"
+    shutil.copytree(SCRIPTS / "common", scripts / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    text = (SCRIPTS / "train_tp.py").read_text()
+    start = text.index("# ======================================== MODEL:")
+    end = text.index("# ======================================== TP:")
+    section = text[start:end]
+    assert section.count(old) == 1, old
+    (scripts / "train_tp.py").write_text(text[:start] + section.replace(old, new) + text[end:])
+    return scripts / "train_tp.py"
+
+
+WHERE = "in the MODEL section of train_tp.py (docs/your-model.md)"
+
+
+@pytest.mark.parametrize(
+    "old, new, flags, needles",
+    [
+        (  # a key that matches no module: parallelize_module itself would only warn, and leave q_proj whole
+            'f"{b}.attn.q_proj": ColwiseParallel(),',
+            'f"{b}.attn.nope": ColwiseParallel(),',
+            [],
+            [
+                "the TP plan names 'blocks.0.attn.nope' (and 1 more key), but the model (GPT) has no module by",
+                "its top-level modules are tok_emb, pos_emb, drop, blocks, ln_f, lm_head",
+                "blocks.0.attn holds q_proj, k_proj, v_proj, o_proj",
+                WHERE,
+            ],
+        ),
+        (  # a plan that ignores --sequence_parallel: the flag would change nothing
+            "return tensor_parallel_plan(model, sequence_parallel, loss_parallel)",
+            "return tensor_parallel_plan(model, False, loss_parallel)",
+            ["--sequence_parallel"],
+            [
+                "--sequence_parallel: the TP plan has no SequenceParallel style",
+                "only ColwiseParallel, PrepareModuleInput, RowwiseParallel",
+                WHERE,
+            ],
+        ),
+        (  # a plan that ignores --loss_parallel: the logits would be gathered anyway
+            "return tensor_parallel_plan(model, sequence_parallel, loss_parallel)",
+            "return tensor_parallel_plan(model, sequence_parallel, False)",
+            ["--loss_parallel"],
+            [
+                "--loss_parallel: the TP plan has no output layer that keeps its logits sharded over the vocabulary",
+                "its last column-wise layer, 'lm_head', outputs Replicate() as a local tensor",
+                WHERE,
+            ],
+        ),
+    ],
+    ids=["unknown_key", "sequence_parallel_ignored", "loss_parallel_ignored"],
+)
+def test_a_plan_that_does_not_fit_is_refused(old, new, flags, needles, tmp_path, data_cache):
+    """The contract errors of the TP plan, on a real 2-process run of an edited copy of the script:
+    one line naming what was looked for, what the model (or plan) has, and where to change it."""
+    script, out = edited_copy(tmp_path, old, new), tmp_path / "run"
+    args = [*TINY, *FLAGS, *flags, "--data_cache_dir", data_cache, "--output_dir", str(out)]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_MULTI)]
+    cmd = [*launcher, "--num_processes", "2", "--main_process_port", str(free_port()), str(script), *args]
+    assert_refused(run_cmd(cmd, env=job_env()), *needles)
+    assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"

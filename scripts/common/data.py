@@ -1,7 +1,8 @@
 """Data through 🤗 datasets: the built-in sets, hub data sets and local files, one code path.
 
 Every source ends as rows of `input_ids` and `labels` (same length; label -100 = not a
-target), byte-level (vocab 256), so no tokenizer is downloaded:
+target), byte-level (vocab 256), so no tokenizer is downloaded; or, for a 🤗 model that comes
+with one (common/hf.py, load_tokenizer), in its tokenizer's ids:
 
 - `addition` (default): "042+317=953\n" — zero-padded operands, the sum written
   least-significant digit first (the order a carry travels), one problem per row; only
@@ -39,6 +40,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE_DIR = REPO_ROOT / "data" / "cache"
 BUILTIN_DATASETS = ("addition", "pystdlib")
 ADDITION_SIZES = {"train": 100_000, "validation": 1_000}
+# a tokenizer may give a token more than the bytes of a problem: SentencePiece starts each of the prompt and the
+# answer with a word-start piece ("▁"); byte-level BPE never does (each token covers at least one byte)
+ADDITION_TOKENIZER_SLACK = 2
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 IN_MEMORY_MAX_TOKENS = 256 * 2**20  # per split: 1 GiB of int16 tensors (x2 columns) per process at most
 HUB_CHECK_TIMEOUT = 3.0  # seconds to open a connection to the hub before calling it unreachable
@@ -266,46 +270,92 @@ def _load_raw(args, cache_dir: Path):
     return raw
 
 
-def _encode_addition(batch, row_len: int):
+def _encode_addition(batch, row_len: int, tokenizer=None):
+    """One problem per row, padded to `row_len`; only the answer is a target. With a tokenizer the prompt
+    ("042+317=") and the answer ("953\n") are tokenised apart, so no token straddles the "=" and the targets
+    are exactly the answer's tokens; no special tokens are added (the answer's "\n" ends it, as in bytes)."""
+    texts = batch["text"]
+    cuts = [text.index("=") + 1 for text in texts]
+    if tokenizer is None:
+        prompts = [list(text[:cut].encode("utf-8")) for text, cut in zip(texts, cuts, strict=True)]
+        answers = [list(text[cut:].encode("utf-8")) for text, cut in zip(texts, cuts, strict=True)]
+        pad_id = 0
+    else:
+
+        def encode(parts):
+            return tokenizer(parts, add_special_tokens=False, verbose=False)["input_ids"]
+
+        prompts = encode([text[:cut] for text, cut in zip(texts, cuts, strict=True)])
+        answers = encode([text[cut:] for text, cut in zip(texts, cuts, strict=True)])
+        pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     input_ids, labels = [], []
-    for text in batch["text"]:
-        ids = list(text.encode("utf-8"))
-        answer_start = ids.index(ord("=")) + 1
-        pad = row_len - len(ids)
-        input_ids.append(ids + [0] * pad)
-        labels.append([-100] * answer_start + ids[answer_start:] + [-100] * pad)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        pad = row_len - len(prompt) - len(answer)
+        if pad < 0:  # only a tokenizer can do this (the byte row length is exact)
+            raise UsageError(
+                f"the tokenizer makes an addition problem {len(prompt) + len(answer)} tokens long, more than the "
+                f"{row_len} a row holds: train this model on text (--dataset pystdlib, --train_file ...)"
+            )
+        input_ids.append(prompt + answer + [pad_id] * pad)
+        labels.append([-100] * len(prompt) + answer + [-100] * pad)
     return {"input_ids": input_ids, "labels": labels}
 
 
-def _encode_and_pack(batch, text_column: str, block_size: int):
-    """Concatenate the batch's documents as bytes and cut them into blocks of `block_size`
-    (the tail shorter than a block is dropped, as in 🤗's run_clm)."""
+def _encode_and_pack(batch, text_column: str, block_size: int, tokenizer=None, rows_are_lines: bool = False):
+    """Concatenate the batch's documents as bytes, or as token ids, and cut them into blocks of
+    `block_size` (the tail shorter than a block is dropped, as in 🤗's run_clm).
+
+    With a tokenizer, documents are joined by its EOS token where it has one (how such models
+    were trained), else by a newline as in bytes. Rows of a .txt file are its lines, not documents:
+    the batch's lines are tokenised as one text (a tokenizer may merge across a line break), with
+    no EOS between them."""
+    texts = [text if isinstance(text, str) else ("" if text is None else str(text)) for text in batch[text_column]]
     stream = []
-    for text in batch[text_column]:
-        text = text if isinstance(text, str) else ("" if text is None else str(text))
-        stream.extend((text if text.endswith("\n") else text + "\n").encode("utf-8"))
+    if tokenizer is None:
+        for text in texts:
+            stream.extend((text if text.endswith("\n") else text + "\n").encode("utf-8"))
+    else:
+        eos = tokenizer.eos_token_id
+        if rows_are_lines:
+            texts = ["".join(texts)]
+        elif eos is None:
+            texts = [text if text.endswith("\n") else text + "\n" for text in texts]
+        for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
+            stream.extend(ids)
+            if eos is not None and not rows_are_lines:
+                stream.append(eos)
     n_blocks = len(stream) // block_size
     blocks = [stream[i * block_size : (i + 1) * block_size] for i in range(n_blocks)]
     return {"input_ids": blocks, "labels": blocks}
 
 
-def load_data(args, accelerator, block_size: int) -> Data:
-    """Load, tokenise and pack. The local main process of each machine goes first and fills
-    the caches; the others then read them (🤗 `map` reuses its cache by fingerprint)."""
+def load_data(args, accelerator, block_size: int, tokenizer=None) -> Data:
+    """Load, tokenise and pack: as bytes, or with `tokenizer` (a 🤗 model's, common/hf.py). The
+    local main process of each machine goes first and fills the caches; the others then read
+    them (🤗 `map` reuses its cache by fingerprint, which covers the tokenizer)."""
     cache_dir = Path(args.data_cache_dir)
     is_addition = not (args.train_file or args.dataset_name) and args.dataset == "addition"
     row_len = 3 * args.addition_digits + 4  # "aaa+bbb=" + up to d+1 answer digits + "\n"
+    if tokenizer is not None:
+        row_len += ADDITION_TOKENIZER_SLACK
     if is_addition and block_size < row_len:
         raise UsageError(
             f"--block_size {block_size} is shorter than one addition problem ({row_len} tokens)"
             f": use --block_size >= {row_len}"
         )
     if is_addition:
-        encode, kwargs, seq_len = _encode_addition, {"row_len": row_len}, row_len
+        encode, kwargs, seq_len = _encode_addition, {"row_len": row_len, "tokenizer": tokenizer}, row_len
     else:
+        # .txt files (and pystdlib, built as .txt) are read line by line
+        rows_are_lines = not args.dataset_name and (args.train_file or ".txt").endswith(".txt")
         encode, kwargs, seq_len = (
             _encode_and_pack,
-            {"text_column": args.text_column, "block_size": block_size},
+            {
+                "text_column": args.text_column,
+                "block_size": block_size,
+                "tokenizer": tokenizer,
+                "rows_are_lines": rows_are_lines,
+            },
             block_size,
         )
     error = None
@@ -348,14 +398,16 @@ def load_data(args, accelerator, block_size: int) -> Data:
 
 
 class TensorRows(Dataset):
-    """A tokenised split held as two in-memory int16 tensors (bytes and -100 fit). Reading a batch
-    from them takes microseconds; formatting it from the 🤗 dataset took ~2 ms, 3% of a CPU
-    training step. Splits over IN_MEMORY_MAX_TOKENS stay memory-mapped 🤗 datasets."""
+    """A tokenised split held as two in-memory int16 tensors (bytes and -100 fit; a tokenizer's
+    ids from 32768 up need int32). Reading a batch from them takes microseconds; formatting it
+    from the 🤗 dataset took ~2 ms, 3% of a CPU training step. Splits over IN_MEMORY_MAX_TOKENS
+    stay memory-mapped 🤗 datasets."""
 
     def __init__(self, split):
         columns = split[:]
-        self.input_ids = columns["input_ids"].to(torch.int16)
-        self.labels = columns["labels"].to(torch.int16)
+        dtype = torch.int16 if int(columns["input_ids"].max()) < 2**15 else torch.int32
+        self.input_ids = columns["input_ids"].to(dtype)
+        self.labels = columns["labels"].to(dtype)
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -224,7 +224,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument(
         "--model_config",
         help="build a 🤗 transformers causal LM from a config, randomly initialised, with the byte vocabulary: a "
-        "config.json file, or a folder holding one (docs/your-model.md)",
+        "config.json file, or a folder holding one, or a model type such as llama or qwen2 (docs/your-model.md)",
+    )
+    g.add_argument(
+        "--untie_embeddings",
+        action="store_true",
+        help="give a pretrained 🤗 model that ties its input and output embeddings two copies (tensor and pipeline "
+        "parallel cut them differently)",
     )
     g.add_argument(
         "--compile",
@@ -319,12 +325,13 @@ def launcher_sharding() -> str | None:
     )
 
 
-def make_accelerator(args, sharded: str | None = None, **accelerator_kwargs):
+def make_accelerator(args, cpu: bool | None = None, sharded: str | None = None, **accelerator_kwargs):
     """The Accelerator, with the CPU traps handled:
     - "Several processes that each think they are alone" (docs/troubleshooting.md): a torchrun-style
       launch (`--multi_gpu`, MULTI_GPU config) on a machine without
       CUDA starts N processes that each think they are alone, unless told to use the CPU:
-      we pass cpu=True whenever CUDA is missing, and they join one gloo process group;
+      the scripts pass cpu=True whenever CUDA is missing (the default here too), and they join one
+      gloo process group; if they still do not, the run stops with one line;
     - the collective timeout: a dead peer fails the run after `--collective_timeout` s."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
@@ -333,7 +340,7 @@ def make_accelerator(args, sharded: str | None = None, **accelerator_kwargs):
     expected = world_size_from_env()
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1; a plain `python` run shares the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-    use_cpu = args.cpu or not torch.cuda.is_available()
+    use_cpu = cpu if cpu is not None else (args.cpu or not torch.cuda.is_available())
     RunPosition.collective_timeout = args.collective_timeout
     init_restart_safe_group(use_cpu, timedelta(seconds=args.collective_timeout))
     accelerator = Accelerator(

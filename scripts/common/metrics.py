@@ -417,6 +417,18 @@ def sharded_start_lines(model, layout, n_params: int, optimizer_name: str, accel
     )
 
 
+def replicated_summary(accelerator, n_params: int, allreduce_mib: float) -> dict:
+    """The cost figures of a replicated run's summary (DDP, Local SGD): peak memory of the largest
+    rank and of all ranks, and the gradient all-reduce per step and rank. Collective (a gather)."""
+    peak_mb = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))
+    return {
+        "n_params": n_params,
+        "peak_memory_mb_max_rank": round(peak_mb.max().item(), 1),
+        "peak_memory_mb_all_ranks": round(peak_mb.sum().item(), 1),
+        "gradient_allreduce_mib_per_step_per_rank": round(allreduce_mib, 3),
+    }
+
+
 def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, model, optimizer, comm: dict) -> dict:
     """The cost figures of a sharded run's summary: measured bytes per rank (largest rank)
     against DDP's and the ideal split, and the first step's collectives (RunLog.collectives).

@@ -213,6 +213,16 @@ def context_length(args) -> int:
     return gpt_config_from_args(args).block_size
 
 
+def tokenizer_for(args):
+    """The tokenizer of a pretrained 🤗 model folder that has one; None: the byte vocabulary (the GPT,
+    and models built from a config)."""
+    if getattr(args, "model_name_or_path", None):
+        from .hf import load_tokenizer
+
+        return load_tokenizer(args)
+    return None
+
+
 def language_model(args, data) -> tuple[nn.Module, CausalLMTask]:
     """The built-in GPT (--model_size and overrides), or a 🤗 transformers causal LM
     (--model_name_or_path, --model_config), and its Task. Seed first: every rank builds the same

@@ -1,0 +1,587 @@
+"""🤗 transformers causal LMs (Llama, Qwen2, Mistral, Qwen3 ...) behind the model contract (task.py).
+
+A script's MODEL section swaps the built-in GPT for a 🤗 model with `load_hf_model`; the strategies
+see only the Task. The parts they cut are named by the model:
+
+    LlamaForCausalLM                           (Qwen2/Mistral/Qwen3: the same tree)
+    ├── model
+    │   ├── embed_tokens  Embedding(vocab, d)  TP: vocab-parallel rows      PP: first stage only
+    │   ├── layers        ModuleList[L]        the units (FSDP, AC, compile); PP keeps its slice,
+    │   │     LlamaDecoderLayer                  the others become nn.Identity (names stay)
+    │   │       input_layernorm     RMSNorm    TP+SP: on a slice of the sequence
+    │   │       self_attn           q/k/v_proj column-wise (heads split), o_proj row-wise
+    │   │                           rotary (cos, sin) and the causal mask come in as keyword arguments
+    │   │       post_attention_layernorm
+    │   │       mlp                 gate/up_proj column-wise, down_proj row-wise
+    │   ├── norm          RMSNorm              PP: last stage only
+    │   └── rotary_emb    no parameters: cos/sin from the positions (every PP stage computes its own)
+    └── lm_head           Linear(d, vocab)     TP: column-wise (vocab-sharded logits for loss parallel)
+
+Two ways in, exactly one of them:
+    --model_name_or_path  a pretrained model: a local folder (config.json + safetensors), or a hub name
+                          read from the local 🤗 cache only (no download); its tokenizer comes with it.
+    --model_config        random init from a config: a JSON file, a folder or cached hub name whose
+                          config.json is read, or a model type ("llama", "qwen2") with small defaults.
+                          Such models use the byte vocabulary of the built-in data (256 ids, no tokenizer).
+
+Models are built in fp32 with SDPA attention and no KV cache; the exported folder loads with
+`AutoModelForCausalLM.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .errors import UsageError
+from .task import CausalLMTask, find_units, replace_dir
+
+BYTE_VOCAB = 256  # the built-in data is UTF-8 bytes (common/data.py, common/model.py VOCAB_SIZE)
+UNITS_PATH = "model.layers"
+# --model_config <model type>: a small model that trains in minutes on a CPU (the GPT "small" preset's size).
+# Keys are the Llama family's; max_position_embeddings is the run's context (--block_size, else SMALL_CONTEXT).
+SMALL_CONTEXT = 128
+# the context when --block_size is not given: the config's max_position_embeddings, at most this (pretrained
+# models take 4k to 128k tokens: a CPU step would take minutes)
+DEFAULT_CONTEXT = 1024
+SMALL_DEFAULTS = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+# Model types whose decoder layer and base-model forward are Llama's (same module names, rotary embeddings
+# passed to the layers, per-head q/k norms at most): the TP plan and the pipeline stage are checked on these.
+# Others (Gemma scales its embeddings, OLMo2 normalises q over all heads, Phi3 fuses qkv ...) would need
+# their own plan: refused there, not silently wrong. DDP and FSDP only call model(input_ids): any causal LM.
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+# layer type (config.layer_types) -> the transformers.masking_utils function that builds its mask
+MASK_KINDS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+# ---------------------------------------------------------------- resolving names (offline)
+
+
+def _cached_folder(name: str) -> Path | None:
+    """The local snapshot folder of hub model `name`, if its config.json is in the 🤗 cache. Never downloads:
+    this machine may have no network, and a silent multi-GB download is not what a training flag should do."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if Path(name).is_absolute() or name.count("/") > 1 or name.startswith("."):
+        return None  # a path, not a hub name
+    try:
+        found = try_to_load_from_cache(name, "config.json")
+    except Exception:  # invalid repo id (HFValidationError) and the like: not a hub name
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _model_folder(name: str, flag: str) -> Path:
+    """A local folder holding `config.json`: `name` itself, or its snapshot in the 🤗 cache."""
+    path = Path(name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--{flag} {name}: the folder has no config.json; pass a 🤗 model folder")
+        return path
+    if path.exists():
+        raise UsageError(f"--{flag} {name}: a file, not a folder; pass the model's folder (config.json + weights)")
+    folder = _cached_folder(name)
+    if folder is None:
+        raise UsageError(
+            f"--{flag} {name}: no such local folder, and not in the local 🤗 cache (no download is tried): "
+            f"fetch it where there is network (`hf download {name}`) and copy the cache (HF_HOME) or the folder here"
+        )
+    return folder
+
+
+def _read_config(spec: str, context: int | None):
+    """--model_config: a JSON file, a folder / cached hub name with config.json, or a model type name (then
+    with SMALL_DEFAULTS and `context` positions; None: not known yet). -> (config, source for describe)"""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = Path(spec)
+    try:
+        if path.is_file():
+            try:
+                values = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise UsageError(f"--model_config {spec}: not valid JSON ({e})") from None
+            if not isinstance(values, dict) or "model_type" not in values:
+                raise UsageError(f'--model_config {spec}: the JSON has no "model_type" (e.g. "llama", "qwen2"); add it')
+            return AutoConfig.for_model(values.pop("model_type"), **values), f"from config {path.name}"
+        if spec in CONFIG_MAPPING and not path.exists():
+            values = {**SMALL_DEFAULTS, "max_position_embeddings": context or SMALL_CONTEXT}
+            return AutoConfig.for_model(spec, **values), f"from config {spec} (small defaults)"
+        folder = _model_folder(spec, "model_config")
+        return AutoConfig.from_pretrained(folder, local_files_only=True), f"from the config of {spec}"
+    except UsageError:
+        raise
+    except (ValueError, TypeError, KeyError, OSError) as e:  # unknown model type, a bad field, custom code ...
+        raise UsageError(f"--model_config {spec}: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+@contextmanager
+def _no_progress_bars():
+    """🤗 draws bars for loading and writing weights, on every rank: off while we load or save."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+# ---------------------------------------------------------------- building
+
+
+def hf_context_length(args) -> int:
+    """The longest sequence the model takes, before it exists (what the data is cut to): --block_size (checked
+    against the config's max_position_embeddings), else that, up to DEFAULT_CONTEXT; SMALL_CONTEXT for a
+    model type's small defaults."""
+    block = getattr(args, "block_size", None)
+    if getattr(args, "model_config", None):
+        config, source = _read_config(args.model_config, block)
+        if source.endswith("(small defaults)"):
+            config = None  # its max_position_embeddings is what we make it
+    else:
+        _, config = _pretrained_config(args.model_name_or_path)
+    limit = getattr(config, "max_position_embeddings", None)
+    if block and limit and block > limit:  # rotary embeddings would run on positions the model never saw
+        raise UsageError(
+            f"--block_size {block} is longer than the model's max_position_embeddings ({limit}): use --block_size "
+            f"<= {limit}" + (", or raise max_position_embeddings in the config" if args.model_config else "")
+        )
+    return block or (min(limit, DEFAULT_CONTEXT) if limit else SMALL_CONTEXT)
+
+
+def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto"):
+    """-> (model, HFCausalLMTask) from args.model_name_or_path or args.model_config (exactly one).
+
+    Call `set_seed` first: a model built from a config is initialised from torch's RNG, so every rank
+    builds the same weights. `tokenizer`: what load_tokenizer(args) returned (the data was encoded with
+    it); "auto" loads it here. Raises UsageError, one line, for anything the user can fix."""
+    from transformers import AutoModelForCausalLM
+
+    name, spec = getattr(args, "model_name_or_path", None), getattr(args, "model_config", None)
+    if bool(name) == bool(spec):
+        raise UsageError(
+            "pass exactly one of --model_name_or_path (a pretrained 🤗 model) and --model_config (a random-init "
+            f"🤗 model from a config): got {'both' if name else 'neither'}"
+        )
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        tokenizer = load_tokenizer(args)
+    # fp32 (🤗 would otherwise take the checkpoint's or config's dtype, often bf16); SDPA attention, which with
+    # no padding mask runs is_causal=True (deterministic on CPU); no KV cache in training
+    build = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    if spec:
+        config, source = _read_config(spec, max(seq_len, getattr(args, "block_size", None) or SMALL_CONTEXT))
+        _check_causal_lm(config, f"--model_config {spec}")
+        # the built-in data is bytes: the model reads and predicts 256 ids; no special tokens among them
+        config.vocab_size = BYTE_VOCAB
+        config.pad_token_id = config.bos_token_id = config.eos_token_id = None
+        # untied, like the built-in GPT: TP shards the two apart and PP puts them on different stages
+        config.tie_word_embeddings = False
+        config.use_cache = False
+        try:
+            model = AutoModelForCausalLM.from_config(config, **build)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"--model_config {spec}: {_first_line(e)}") from None
+    else:
+        folder, config = _pretrained_config(name)
+        config.use_cache = False
+        try:
+            with _no_progress_bars():
+                model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True, **build)
+        except (OSError, ValueError, TypeError, KeyError) as e:  # no weights, custom code ...
+            raise UsageError(f"--model_name_or_path {name}: could not load it ({_first_line(e)})") from None
+        source = f"pretrained {name}"
+        if getattr(args, "untie_embeddings", False):
+            untie_embeddings(model)
+    _check_layout(model, f"--model_config {spec}" if spec else f"--model_name_or_path {name}")
+    check_vocab_fits(model, tokenizer)
+    model.train()  # from_pretrained returns it in eval mode
+    return model, HFCausalLMTask(seq_len, data_task, model.config, source, tokenizer)
+
+
+def load_exported_hf(model_dir, data_task: str = "text"):
+    """A folder HFCausalLMTask.export wrote (or any 🤗 causal LM folder), on the CPU in fp32, with its tokenizer
+    if it has one (task.tokenizer: encode the evaluation data with it). -> (model, task)"""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(model_name_or_path=str(model_dir), model_config=None)
+    return load_hf_model(args, hf_context_length(args), data_task)
+
+
+def _pretrained_config(name: str):
+    """--model_name_or_path: (its folder, its config), checked to be a causal LM."""
+    from transformers import AutoConfig
+
+    folder = _model_folder(name, "model_name_or_path")
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # a bad config.json, custom code ...
+        raise UsageError(f"--model_name_or_path {name}: could not read its config ({_first_line(e)})") from None
+    _check_causal_lm(config, f"--model_name_or_path {name}")
+    return folder, config
+
+
+def _check_causal_lm(config, what: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UsageError(
+            f"{what}: model type {config.model_type!r} is not a decoder-only causal LM "
+            f"(AutoModelForCausalLM); use one such as {', '.join(LLAMA_FAMILY)}"
+        )
+
+
+def _check_layout(model: nn.Module, what: str) -> None:
+    """The strategies cut the model at `model.layers` (a ModuleList of decoder layers)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        found = ", ".join(n for n, _ in (inner or model).named_children())
+        raise UsageError(
+            f"{what}: {type(model).__name__} keeps no decoder layers at model.layers (it has: {found}); "
+            f"use a Llama-style model ({', '.join(LLAMA_FAMILY)} ...)"
+        )
+    find_units(model, UNITS_PATH)
+
+
+def is_tied(model: nn.Module) -> bool:
+    """lm_head shares its weight with embed_tokens (tie_word_embeddings)."""
+    emb, head = model.get_input_embeddings(), getattr(model, "lm_head", None)
+    return emb is not None and head is not None and head.weight is emb.weight
+
+
+def untie_embeddings(model: nn.Module) -> None:
+    """Give lm_head a weight of its own, a copy of the embedding's (trained apart from then on)."""
+    if is_tied(model):
+        model.lm_head.weight = nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.config.tie_word_embeddings = False
+
+
+def check_untied(model: nn.Module, strategy: str) -> None:
+    """TP shards lm_head and embed_tokens separately, PP puts them on different stages: a shared
+    weight would silently become two. Refuse rather than train something else than asked."""
+    if is_tied(model):
+        raise UsageError(
+            f"the model ties lm_head to embed_tokens (tie_word_embeddings), which {strategy} cannot keep: "
+            "train it with train_ddp.py or train_fsdp.py, or pass --untie_embeddings (lm_head starts as a "
+            "copy of the embedding)"
+        )
+
+
+def check_vocab_fits(model: nn.Module, tokenizer) -> None:
+    """Every id the data can hold must have a row in the embedding: the tokenizer's, or the 256 bytes."""
+    rows = model.get_input_embeddings().num_embeddings
+    if tokenizer is not None:
+        need, what = len(tokenizer), f"the tokenizer ({type(tokenizer).__name__})"
+    else:
+        need, what = BYTE_VOCAB, "the byte-level data (no tokenizer in --model_name_or_path)"
+    if need > rows:
+        raise UsageError(
+            f"{what} has {need} ids but the model's embedding only {rows} rows: pass a model whose vocabulary "
+            "fits (vocab_size), or a folder holding the tokenizer it was trained with"
+        )
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(args):
+    """The tokenizer that comes with --model_name_or_path (a folder, or the cached hub snapshot, holding
+    tokenizer files), else None: the data stays bytes. --model_config models always use bytes."""
+    name = getattr(args, "model_name_or_path", None)
+    if not name or getattr(args, "model_config", None):
+        return None
+    folder = _model_folder(name, "model_name_or_path")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"--model_name_or_path {name}: could not load its tokenizer ({_first_line(e)})") from None
+
+
+# ---------------------------------------------------------------- the contract
+
+
+class HFCausalLMTask(CausalLMTask):
+    """CausalLMTask for a 🤗 model: units at model.layers, outputs are 🤗 objects (`.logits`, read by
+    CausalLMTask), and the export is a 🤗 folder (save_pretrained) with the tokenizer, if any."""
+
+    name = "hf_causal_lm"
+    units_path = UNITS_PATH
+
+    def __init__(self, seq_len: int, data_task: str, hf_config, source: str, tokenizer=None):
+        super().__init__(seq_len, data_task)
+        self.hf_config = hf_config
+        self.source = source  # "from config tiny.json", "pretrained Qwen/Qwen2-0.5B" (for describe)
+        self.tokenizer = tokenizer
+
+    def describe(self, model: nn.Module) -> str:
+        c = self.hf_config
+        n = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
+        kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        if self.tokenizer is not None:
+            vocab = f"vocabulary {c.vocab_size} (tokenizer {type(self.tokenizer).__name__}, {len(self.tokenizer)} ids)"
+        elif c.vocab_size == BYTE_VOCAB:
+            vocab = f"vocabulary {BYTE_VOCAB} (bytes)"
+        else:
+            vocab = f"vocabulary {c.vocab_size} (no tokenizer: the data's bytes are ids 0-255)"
+        tied = ", tied embeddings" if c.tie_word_embeddings else ""
+        return (
+            f"model {c.model_type} (🤗 transformers, {self.source}): {n / 1e6:.2f}M parameters, "
+            f"{c.num_hidden_layers} layers x {c.hidden_size} wide, {c.num_attention_heads} heads / {kv} KV heads, "
+            f"{vocab}{tied}"
+        )
+
+    def config(self) -> dict:
+        return json.loads(self.hf_config.to_json_string(use_diff=False))
+
+    def flops_per_item(self, n_params: int) -> float:
+        """Per token: 6N (forward + backward matmuls) + 12·L·(heads·head_dim)·T (attention scores), as GPT's."""
+        c = self.hf_config
+        width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        return 6 * n_params + 12 * c.num_hidden_layers * width * self.tokens_per_sample
+
+    def export(self, state_dict: dict, model_dir, data_source: dict) -> None:
+        """A folder `AutoModelForCausalLM.from_pretrained` loads (config.json, model.safetensors, generation
+        config) plus data.json and the tokenizer the data was encoded with; written beside and renamed in."""
+        model_dir = Path(model_dir)
+        tmp = model_dir.with_name(f".tmp_{model_dir.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model = self._model_with(state_dict)
+        with _no_progress_bars():
+            model.save_pretrained(tmp)
+        (tmp / "data.json").write_text(json.dumps(data_source, indent=1))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, model_dir)
+
+    def _model_with(self, state_dict: dict) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(self.hf_config)
+        config.use_cache = True  # the exported model is for inference: generate() wants its KV cache
+        with torch.device("meta"):  # no init: every weight comes from the state dict
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state_dict = {k: v.detach().to("cpu", torch.float32) for k, v in state_dict.items()}
+        missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.tie_weights()  # lm_head is the embedding again (a state dict may hold it once or twice)
+            missing = [k for k in missing if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise RuntimeError(f"the state dict does not fit the model: missing {missing}, unexpected {unexpected}")
+        return model  # the rotary inv_freq buffers stay on meta: not persistent, so neither saved nor needed
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+
+def check_family(model: nn.Module, strategy: str) -> None:
+    model_type = model.config.model_type
+    if model_type not in LLAMA_FAMILY:
+        raise UsageError(
+            f"{strategy} for 🤗 models has a plan for the Llama family ({', '.join(LLAMA_FAMILY)}), not for "
+            f"{model_type!r}: train it with train_ddp.py or train_fsdp.py"
+        )
+
+
+def check_tp_divides(model: nn.Module, tp: int) -> None:
+    """Column-wise q/k/v give each rank heads/tp query heads and kv_heads/tp key/value heads (attention
+    reshapes with view(..., -1, head_dim), so it runs on whatever it holds); gate/up give it intermediate/tp
+    columns, the embedding and lm_head vocab/tp rows. All must divide evenly."""
+    check_family(model, "--tp_size")
+    check_untied(model, "tensor parallelism")
+    c = model.config
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    sizes = [
+        ("attention heads (num_attention_heads)", c.num_attention_heads),
+        (f"key/value heads (num_key_value_heads; {c.num_attention_heads} query heads share them)", kv),
+        ("MLP columns (intermediate_size)", c.intermediate_size),
+        ("vocabulary rows (vocab_size)", c.vocab_size),
+    ]
+    for what, size in sizes:
+        if size % tp:
+            # the TP sizes that fit every split at once (and a fix for each process count: FSDP takes the rest)
+            fits = [d for d in range(2, 65) if all(n % d == 0 for _, n in sizes)]
+            fix = f"use --tp_size {' or '.join(map(str, fits[:4]))}" if fits else "train it without tensor parallelism"
+            raise UsageError(f"--tp_size {tp} does not divide the model's {size} {what}: {fix}")
+
+
+def llama_tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """Megatron's split of a Llama-family 🤗 model as a parallelize_module plan, keyed from the root
+    (model.layers.3.self_attn.q_proj); only for the parts this rank holds (PP: dropped parts are skipped).
+
+    Per layer: q/k/v and gate/up column-wise, o_proj and down_proj row-wise: one all-reduce after each
+    of attention and MLP in forward, one each at their inputs in backward. The layer calls self_attn
+    with keyword arguments (hidden_states=..., position_embeddings=(cos, sin), attention_mask=None), so
+    its input is prepared by keyword; the MLP is called positionally.
+
+    Sequence parallel (torchtitan's layout): between the row-wise outputs and the next column-wise inputs
+    the activations are sharded over the sequence (Shard(1)); the norms run on the slices; the all-reduces
+    become reduce-scatters plus all-gathers at the inputs of attention and MLP. Unlike torchtitan the
+    residual stream stays a DTensor (use_local_output=False): 🤗's model reads the sequence length off
+    the embeddings for the positions, rotary cos/sin and causal mask, and a DTensor reports the full
+    length; attention gets the all-gathered sequence, so the full-length cos/sin fit it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    check_family(model, "--tp_size")
+    check_untied(model, "tensor parallelism")
+    seq = Shard(1)  # the sequence dimension of (batch, seq, hidden)
+    between = seq if sequence_parallel else Replicate()
+    local = not sequence_parallel  # SP: keep the residual stream a DTensor (see above)
+    plan: dict = {}
+    inner = model.model
+    if inner.embed_tokens is not None:  # vocab-parallel: each rank holds vocab/tp rows; partial sums reduced
+        plan["model.embed_tokens"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=between, use_local_output=local
+        )
+    for i, layer in enumerate(inner.layers):
+        if isinstance(layer, nn.Identity):  # another pipeline stage's layer
+            continue
+        p = f"model.layers.{i}"
+        plan.update(
+            {
+                # one replicated DTensor in (all-gathered under SP), shared by q, k and v: backward reduces its
+                # gradient once, not three times
+                f"{p}.self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": between},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                f"{p}.self_attn.q_proj": ColwiseParallel(),
+                f"{p}.self_attn.k_proj": ColwiseParallel(),
+                f"{p}.self_attn.v_proj": ColwiseParallel(),
+                f"{p}.self_attn.o_proj": RowwiseParallel(output_layouts=between, use_local_output=local),
+                f"{p}.mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+                f"{p}.mlp.gate_proj": ColwiseParallel(),
+                f"{p}.mlp.up_proj": ColwiseParallel(),
+                f"{p}.mlp.down_proj": RowwiseParallel(output_layouts=between, use_local_output=local),
+            }
+        )
+        if sequence_parallel:
+            plan[f"{p}.input_layernorm"] = SequenceParallel()
+            plan[f"{p}.post_attention_layernorm"] = SequenceParallel()
+        if getattr(layer.self_attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head's head_dim
+            # it sees this rank's heads only: as a norm sharded over the heads dimension of (B, T, heads, head_dim)
+            # its weight becomes a replicated DTensor whose gradient is summed over the group (a plain weight
+            # would get each rank's part of it); local output again, for the rotary embedding's plain cos/sin
+            for norm in ("q_norm", "k_norm"):
+                plan[f"{p}.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if model.lm_head is not None:
+        if sequence_parallel:
+            plan["model.norm"] = SequenceParallel()
+        # loss parallel: logits stay sharded over the vocabulary; the loss is computed on the shards
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+# ---------------------------------------------------------------- pipeline parallel
+
+
+def drop_for_stage(model: nn.Module, keep_layers: set[int], is_first: bool, is_last: bool) -> None:
+    """Keep only one pipeline stage's parts: the other layers become nn.Identity (the ModuleList keeps its
+    indices, so model.layers.7.mlp.up_proj.weight keeps its name and checkpoints move between layouts);
+    the embedding goes where not first, the final norm and lm_head where not last. rotary_emb stays: it
+    holds no parameters, and every stage computes its cos/sin."""
+    check_family(model, "--pp_size")
+    if not (is_first and is_last):
+        check_untied(model, "pipeline parallelism")
+    layers = model.model.layers
+    for i in range(len(layers)):
+        if i not in keep_layers:
+            layers[i] = nn.Identity()
+    if not is_first:
+        model.model.embed_tokens = None
+    if not is_last:
+        model.model.norm = None
+        model.lm_head = None
+
+
+class HFPipelineStage(nn.Module):
+    """One pipeline stage of a Llama-family 🤗 model: a view onto some of its layers (it owns nothing, so
+    parameter names and checkpoints are the model's). Input: token ids on the first stage, hidden states
+    (batch, seq, hidden) after; output: hidden states, or logits on the last stage.
+
+    It replays LlamaModel.forward for its slice: positions 0..T-1, rotary cos/sin from them, the causal
+    mask 🤗 builds (None under SDPA with no padding: attention runs is_causal=True), each layer called as
+    the model calls it. `sp_mesh` (TP with sequence parallel): activations cross stages as this rank's
+    sequence slice, re-wrapped as a Shard(1) DTensor on the way in."""
+
+    def __init__(self, model: nn.Module, layers, is_first: bool, is_last: bool, sp_mesh=None):
+        super().__init__()
+        check_family(model, "--pp_size")
+        inner = model.model
+        self.config = model.config
+        self.layer_ids = list(layers)
+        for i in self.layer_ids:
+            if isinstance(inner.layers[i], nn.Identity):
+                raise ValueError(f"layer {i} was dropped from this rank's model (drop_for_stage)")
+        self.embed_tokens = inner.embed_tokens if is_first else None
+        self.layers = nn.ModuleList(inner.layers[i] for i in self.layer_ids)
+        self.rotary_emb = inner.rotary_emb
+        self.norm, self.lm_head = (inner.norm, model.lm_head) if is_last else (None, None)
+        # which mask each layer gets, as the model's forward decides it: per layer type (Qwen2/3), or one for all
+        # layers, sliding-window if the config has a window (Mistral), else plain causal (Llama)
+        types = getattr(self.config, "layer_types", None)
+        one = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+        self.layer_types = [types[i] for i in self.layer_ids] if types else [one] * len(self.layer_ids)
+        unknown = set(self.layer_types) - set(MASK_KINDS)
+        if unknown:
+            raise UsageError(f"--pp_size: layers of type {', '.join(sorted(unknown))} have no pipeline stage here")
+        self.sp_mesh = sp_mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers import masking_utils
+
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        elif self.sp_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            x = DTensor.from_local(x, self.sp_mesh, [Shard(1)], run_check=False)
+        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        # 🤗's own mask functions with the arguments the model passes (no padding mask, no cache): under SDPA
+        # they return None and attention runs is_causal=True; a window shorter than the sequence is a real mask
+        mask_args = {"config": self.config, "inputs_embeds": x, "attention_mask": None, "cache": None}
+        masks = {
+            kind: getattr(masking_utils, MASK_KINDS[kind])(**mask_args, position_ids=position_ids)
+            for kind in set(self.layer_types)
+        }
+        position_embeddings = self.rotary_emb(x, position_ids)
+        for layer, kind in zip(self.layers, self.layer_types, strict=True):
+            x = layer(x, attention_mask=masks[kind], position_embeddings=position_embeddings, position_ids=position_ids)
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(x))
+        if self.sp_mesh is not None and hasattr(x, "to_local"):
+            x = x.to_local()  # only plain tensors cross stages: this rank's sequence slice
+        return x
