@@ -22,10 +22,10 @@ import torch.distributed as dist
 from harness import REPO, one_process_mesh
 
 sys.path.insert(0, str(REPO / "scripts"))
-from common.model import GPT, GPTConfig  # noqa: E402
-from common.training import clip_grad_norm_, make_optimizer  # noqa: E402
-from train_fsdp import apply_fsdp  # noqa: E402
-from train_tp import apply_tensor_parallel  # noqa: E402
+from common.model import GPT, GPTConfig
+from common.training import clip_grad_norm_, make_optimizer
+from train_fsdp import apply_fsdp
+from train_tp import apply_tensor_parallel, tensor_parallel_plan
 
 RESULTS = REPO / "benchmarks" / "results"
 PHASES = ("forward", "backward", "clip", "optimizer", "zero_grad")
@@ -36,9 +36,9 @@ def phase_ms(kind: str, mesh, steps: int) -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_preset("tiny"))
     if kind == "FSDP":
-        apply_fsdp(model, [model], mesh)
+        apply_fsdp(model.blocks, [model], mesh)
     elif kind == "TP":
-        apply_tensor_parallel(model, mesh)
+        apply_tensor_parallel(model, mesh, tensor_parallel_plan(model, False, False))
     optimizer = make_optimizer(model, types.SimpleNamespace(weight_decay=0.1, optimizer="adamw", learning_rate=1e-3))
     tokens = torch.randint(0, 20, (1, 13))
     totals, counted = dict.fromkeys(PHASES, 0.0), 0

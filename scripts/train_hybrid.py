@@ -9,11 +9,11 @@ they compose because each one talks only inside its own groups:
         pp stage 0:  [ rank 0 | 1 ]    [ rank 2 | 3 ]        pp groups:  {0,4} {1,5} {2,6} {3,7}
         pp stage 1:  [ rank 4 | 5 ]    [ rank 6 | 7 ]
                       └ tp ┘
-    - pp: stage 0 holds layers 0..L/2-1 and the embeddings, stage 1 the rest and the head;
+    - pp: stage 0 holds units 0..L/2-1 and the embeddings, stage 1 the rest and the head;
       activations go 0 -> 1, gradients 1 -> 0 (send/recv between pp peers)
     - tp: inside [ | ], each weight matrix is split in two (all-reduces inside the pair, every layer)
     - dp: the two columns train on different halves of the batch; FSDP shards each stage's
-      (already TP-split) weights between them (all-gather / reduce-scatter per block)
+      (already TP-split) weights between them (all-gather / reduce-scatter per unit)
     - dp_replicate x dp_shard = HSDP: shard inside a group, replicate across groups
 
 Choosing a layout: TP inside a node (it talks every layer), PP across nodes (it sends only
@@ -23,47 +23,44 @@ Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml --num_processes 4 \\
         scripts/train_hybrid.py --dp_shard 2 --tp_size 2
     accelerate launch ... --num_processes 8 scripts/train_hybrid.py --n_layer 4 --pp_size 2 --dp_shard 2 --tp_size 2
-Strategies are applied in a fixed order (split into stages, then TP, then activation
-checkpointing, then FSDP), by the functions imported from train_pp.py, train_tp.py and
-train_fsdp.py: this file holds the mesh and the order, no strategy code of its own.
+    accelerate launch ... scripts/train_hybrid.py --model_config llama --dp_shard 2 --tp_size 2   # a 🤗 model
+    accelerate launch ... --num_processes 2 scripts/train_hybrid.py --tp_size 1 --dp_shard 2   # FSDP, no TP split
+Strategies are applied in a fixed order (split into stages, then TP, then activation checkpointing,
+then --compile, then FSDP), by the functions imported from train_pp.py, train_tp.py and
+train_fsdp.py: this file holds the mesh and the order, no strategy code of its own. The MODEL
+section names the model; its TP plan and its pipeline stages are those of train_tp.py's and
+train_pp.py's MODEL sections (the built-in GPT's, or a 🤗 Llama-family model's).
 A checkpoint saved by any script and layout resumes under any other (same model, same global batch).
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: make `common` importable
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
 
-import torch
 from accelerate.utils import set_seed
+from torch.distributed.tensor.parallel import loss_parallel
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import (
-    CollectiveCounter,
-    RunLog,
-    evaluate_sharded,
-    first_step_line,
-    sharded_start_lines,
-    sharded_summary,
-    training_state_bytes,
-)
-from common.model import GPT, count_parameters
+from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
+from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.pipeline import add_pipeline_args, check_pipeline_layout, parse_pipeline_flags
+from common.task import check_loss_is_a_sum
 from common.training import (
     TrainStream,
     clip_grad_norm_,
-    compile_blocks,
+    compile_units,
     make_optimizer,
     make_scheduler,
-    model_config_from_args,
     shard_loader,
-    trainer_state,
+    unit_modules,
 )
 from train_fsdp import apply_activation_checkpointing, apply_fsdp
-from train_pp import PipelineStep, add_pipeline_args, check_pipeline_args, check_pipeline_flags, split_pipeline
-from train_tp import apply_tensor_parallel, check_tp_flags, tp_forward_backward
+from train_pp import PipelineStep, split_pipeline, stage_modules
+from train_tp import apply_tensor_parallel, check_tp_flags, check_tp_plan, model_tp_plan, tp_forward_backward
 
 
 def main():
@@ -73,25 +70,24 @@ def main():
     g.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     g.add_argument("--dp_replicate", type=int, default=1, help="data-parallel replicas (HSDP: replicate across them)")
     g.add_argument("--dp_shard", type=int, default=-1, help="data-parallel ranks that shard the model (FSDP)")
-    g.add_argument("--tp_size", type=int, default=1, help="ranks per tensor-parallel group")
+    g.add_argument("--tp_size", type=int, default=1, help="ranks per tensor-parallel group (1: FSDP, no TP split)")
     g = parser.add_argument_group("tensor parallel and memory")
     g.add_argument("--sequence_parallel", action="store_true", help="TP: shard norms/dropout along the sequence")
     g.add_argument("--loss_parallel", action="store_true", help="TP: cross-entropy on vocabulary-sharded logits")
     g.add_argument(
-        "--activation_checkpointing", action="store_true", help="recompute each block's activations in backward"
+        "--activation_checkpointing", action="store_true", help="recompute each unit's activations in backward"
     )
     add_pipeline_args(parser)
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/hybrid"
     check_core_args(args)
-    check_pipeline_args(args)
-    model_config = model_config_from_args(args)
+    parse_pipeline_flags(args)
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
     # the scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded="train_hybrid", step_scheduler_with_optimizer=False)
-    # one object holds the degrees, checked once: product = world size, TP divides heads, PP <= layers
+    # one object holds the degrees, checked once: their product is the world size
     layout = Layout.from_degrees(
         accelerator.num_processes,
         pp=args.pp_size,
@@ -99,44 +95,59 @@ def main():
         dp_shard=args.dp_shard,
         tp=args.tp_size,
     )
-    layout.check_model(model_config, args.stages_per_rank)
-    if layout.pp > 1:
-        check_pipeline_flags(layout, model_config.n_layer, args)
     global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
 
     # ---------------------------------------- data (checked before anything is written)
-    data = load_data(args, accelerator, model_config.block_size)
+    data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     check_tp_flags(layout, data.seq_len, data.task, args.sequence_parallel, args.loss_parallel)
-    resume_path = check_resume_and_output(accelerator, args, model_config, global_batch_size)
+
+    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
+    set_seed(args.seed)  # Accelerate: the same full model on every rank before any cut: init independent of layout
+    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
+    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    model, task = language_model(args, data)
+    model = model.to(accelerator.device)
+    # the repeated units: the pipeline split, TP's layers, activation checkpointing, --compile, FSDP units
+    units = task.units(model)
+    n_params, model_line = count_parameters(model), task.describe(model)
+    # the TP plan, {module name: style}, of train_tp.py's MODEL section (the GPT's or a 🤗 Llama's), checked
+    # on the full model; a pipeline stage is built by train_pp.py's MODEL section (stage_modules)
+    plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
+    check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model and flags
+    if layout.pp > 1:
+        check_pipeline_layout(layout, len(units), args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
 
-    # ---------------------------------------- model
-    set_seed(args.seed)  # Accelerate: the same full model on every rank before any cut: init independent of the layout
-    model = GPT(model_config).to(accelerator.device)
-    n_params = count_parameters(model)
-
     # ---------------------------------------- the strategies, in torchtitan's order
-    stages = split_pipeline(model, layout, args.stages_per_rank, args.split_points) if layout.pp > 1 else None  # 1. PP
+    stages = None
+    if layout.pp > 1:  # PP: 1. keep this rank's units, one module per stage it holds
+        stages = split_pipeline(model, units, layout, stage_modules, args.stages_per_rank, args.split_points)
+        held = {name for name, _ in model.named_modules()}
+        plan = {key: style for key, style in plan.items() if key in held}  # TP: only the parts this rank holds
     if layout.tp > 1:
-        apply_tensor_parallel(model, layout.sub("tp"), args.sequence_parallel, args.loss_parallel)  # 2. TP
+        apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: 2. every weight the plan names becomes a shard
     if args.activation_checkpointing:
-        apply_activation_checkpointing(model)  # 3. activation checkpointing
+        apply_activation_checkpointing(units)  # 3. recompute each unit's activations in backward
     if args.compile:
-        compile_blocks(model, accelerator)  # 4. torch.compile per block
-    if layout.dp > 1:
-        # under PP the weights stay gathered for the whole step: one all-gather, not one per micro-batch
-        reshard = layout.pp == 1
-        apply_fsdp(model, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision, reshard)  # 5. FSDP / HSDP
-    if layout.pp > 1:
-        pipeline = PipelineStep(accelerator, layout, stages, args.schedule, args.n_microbatches, args.loss_parallel)
+        compile_units(units, accelerator)  # 4. torch.compile per unit, before FSDP's hooks
+    if layout.dp > 1:  # FSDP: 5. one unit per repeated unit, then each root (the model, or each stage); 2-D: HSDP
+        # under PP the units stay gathered for the whole step: one all-gather, not one per micro-batch
+        apply_fsdp(units, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision, layout.pp == 1)
+    if layout.pp > 1:  # PP: the schedule runs every micro-batch through the stages, forward and backward
+        pipeline = PipelineStep(
+            accelerator, layout, task, stages, args.schedule, args.n_microbatches, args.loss_parallel
+        )
         forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
     else:
 
-        def forward_backward(window, global_targets):
-            return tp_forward_backward(accelerator, model, window, global_targets, layout.dp, args.loss_parallel)
+        def forward_backward(window, global_targets):  # TP: the loss on vocabulary shards under --loss_parallel
+            return tp_forward_backward(
+                accelerator, model, task, window, global_targets, args.loss_parallel, layout.dp, layout.holds_loss
+            )
 
-        predict, eval_batch_size = model, args.eval_batch_size
+        predict, eval_batch_size = None, args.eval_batch_size
 
     # ---------------------------------------- optimizer (after every cut: it sees the shards)
     optimizer = make_optimizer(model, args)
@@ -146,6 +157,10 @@ def main():
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
+    if layout.pp == 1:  # a mean would train silently wrong; under PP no rank holds the whole model to run it
+        check_loss_is_a_sum(
+            task, model, data.validation, accelerator.device, loss_parallel() if args.loss_parallel else None
+        )
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     stream = TrainStream(
         accelerator,
@@ -154,61 +169,53 @@ def main():
         global_batch_size,
         args.gradient_accumulation_steps,
         progress,
+        task.count_targets,
         dp_group=layout.group("dp"),
     )
-
-    # ---------------------------------------- the training loop
-    step = start_step = progress["step"]
-    log = RunLog(accelerator, args, "train_hybrid", step, layout.world_size, global_batch_size)
+    log = RunLog(accelerator, args, "train_hybrid", progress["step"], layout.world_size, global_batch_size)
     applied = (
         ("pipeline split", layout.pp > 1),
         ("tensor parallel", layout.tp > 1),
         ("activation checkpointing", args.activation_checkpointing),
+        ("torch.compile", args.compile),
         ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp > 1),
     )
     order = " -> ".join(name for name, on in applied if on) or "none (one process)"
     costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(model_config, n_params, data, [f"order: {order}", costs], resume_path, layout)
-    state_bytes, comm = {}, {}  # measured on the first step
+    log.start(task, model_line, n_params, data, [f"order: {order}", costs], resume_path, layout)
+    pp_group = layout.group("pp")
+
+    # ---------------------------------------- the training loop
+    step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
-    while step < min(args.max_steps, args.stop_at_step or args.max_steps) and not stream.preempted:
+    while step < last_step and not stream.preempted:
         log.step_start()
         window, global_targets = stream.next_step()
-        # the first step's collectives are counted (not under --compile: a dispatch mode stops it)
-        with CollectiveCounter(enabled=step == start_step and not args.compile) as counter:
-            loss_sum = forward_backward(window, global_targets)
-        # sharded, and summed over the stages
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.group("pp"))
+        with log.collectives():  # counts the first step's collectives
+            # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter of gradients
+            loss_sum = forward_backward(window, global_targets)  # one rank per replica holds it (layout.holds_loss)
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # sharded, over the stages
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # each rank updates what it holds
         scheduler.step()
-        if step == start_step:
-            state_bytes, comm = training_state_bytes(model, optimizer), counter.report()
-            log.write(first_step_line(state_bytes, comm))
         optimizer.zero_grad(set_to_none=True)
         step += 1
         log.step_end()
 
-        if log.is_log_step(step):
-            # one rank per data-parallel replica (last stage, TP rank 0) counts its loss sum
-            loss_sum = loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
+        if log.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
             log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
-        if log.is_eval_step(step):
-            model.eval()
-            result = evaluate_sharded(accelerator, predict, data.validation, eval_batch_size, layout, data.task)
-            model.train()
+        if log.due(step, "eval"):  # each sample counted once; under PP forward only through the pipeline
+            result = evaluate(accelerator, model, task, data.validation, eval_batch_size, layout, predict)
             log.eval(step, result)
-        if log.is_checkpoint_step(step) or stream.preempted:  # preempted: every rank saves
-            state = trainer_state(step, stream, args, model_config, global_batch_size, layout.world_size, layout)
-            # every rank writes its part (a collective)
-            save_checkpoint(accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last)
+        if log.due(step, "checkpoint") or stream.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts)
     stream.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank: gathers shards; one rank per stage sends its layers
-        export_model(accelerator, model, model_config, data_source(args), Path(args.output_dir) / "model", layout)
-    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, state_bytes, comm)
+    if step == args.max_steps:  # every rank: gathers the shards; one rank per stage sends its units
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, log.first_step_collectives)
     log.summary(step, preempted=stream.preempted, **costs, **(pipeline.summary(args) if layout.pp > 1 else {}))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group

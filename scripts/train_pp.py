@@ -347,17 +347,15 @@ def main():
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(
-        args.seed
-    )  # Accelerate: the same full model on every rank before it is cut: init independent of the layout
+    set_seed(args.seed)  # Accelerate: the same full model on every rank before it is cut: init independent of layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     # the repeated units: the pipeline cuts between them; how a stage runs: stage_modules (above)
     units = task.units(model)
-    n_params, model_line = count_parameters(model), task.describe(model)
-    check_pipeline_layout(layout, len(units), args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
+    n_units, n_params, model_line = len(units), count_parameters(model), task.describe(model)
+    check_pipeline_layout(layout, n_units, args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
 
@@ -391,7 +389,7 @@ def main():
     )
     log = RunLog(accelerator, args, "train_pp", progress["step"], layout.world_size, global_batch_size)
     n_stages = layout.pp * args.stages_per_rank
-    ranges = stage_layers(len(units), n_stages, args.split_points)
+    ranges = stage_layers(n_units, n_stages, args.split_points)
     stage_list = ", ".join(f"{s}: units {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
     bubble = bubble_theory(layout.pp, args.n_microbatches, args.stages_per_rank)
     pipeline_line = (

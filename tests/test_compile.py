@@ -32,7 +32,7 @@ def test_compile_matches_eager(script, extra, reference, tmp_path, data_cache):
         nproc=2,
     )
     # the user is told that compilation is under way, and what the first step cost
-    assert "--compile: compiling the 2 transformer block(s)" in result.stdout or "--compile: compiling the 1" in (
+    assert "--compile: compiling the 2 repeated unit(s)" in result.stdout or "--compile: compiling the 1" in (
         result.stdout
     ), result.stdout[-2000:]
     assert "torch.compile's compilation included" in result.stdout + result.stderr

@@ -30,8 +30,8 @@ from conftest import (
 )
 
 sys.path.insert(0, str(SCRIPTS))
-from common import checkpoint  # noqa: E402
-from common.model import GPT, GPTConfig  # noqa: E402
+from common import checkpoint
+from common.model import GPT, GPTConfig
 
 STEPS = 10
 # small is 4 layers x 128: its sharded save lasts long enough to be caught between the appearance

@@ -1,13 +1,38 @@
-"""train_hybrid.py: DP x TP x PP on one device mesh, and checkpoints that move between layouts."""
+"""train_hybrid.py: DP x TP x PP on one device mesh, FSDP beside TP (--tp_size 1), a 🤗 model, and
+checkpoints that move between layouts."""
+
+import json
 
 import pytest
 
-from conftest import TINY, assert_layout, assert_same_evals, assert_same_losses, launch, resume_matches, train_losses
+from conftest import (
+    TINY,
+    assert_layout,
+    assert_same_evals,
+    assert_same_losses,
+    launch,
+    resume_matches,
+    summary,
+    train_losses,
+)
 
 # 4 layers, 10 steps, global batch 16; 4-digit addition (16-token rows: sequence parallel can split them);
 # one evaluation, at the end
 FLAGS = ["--n_layer", "4", "--max_steps", "10", "--addition_digits", "4", "--eval_batch_size", "64"]
 STEPS = list(range(1, 11))
+DEGREES = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}
+
+
+def run_layout(nproc: int, layout: dict, flags: list[str], out, data_cache: str):
+    degrees = [x for k, v in layout.items() for x in (DEGREES[k], str(v))]
+    result = launch(
+        "train_hybrid.py",
+        [*TINY, *flags, *degrees, "--data_cache_dir", data_cache, "--output_dir", str(out)],
+        nproc=nproc,
+    )
+    assert "rank   pp  dp_replicate  dp_shard  tp" in result.stdout  # the layout table
+    assert_layout(out, **layout)
+    return result
 
 
 @pytest.mark.parametrize(
@@ -22,18 +47,63 @@ STEPS = list(range(1, 11))
 )
 def test_layouts_match_single_process(nproc, layout, extra, reference, tmp_path, data_cache):
     out = tmp_path / "hybrid"
-    flags = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}
-    degrees = [x for k, v in layout.items() for x in (flags[k], str(v))]
-    result = launch(
-        "train_hybrid.py",
-        [*TINY, *FLAGS, *degrees, *extra, "--data_cache_dir", data_cache, "--output_dir", str(out)],
-        nproc=nproc,
-    )
-    assert "rank   pp  dp_replicate  dp_shard  tp" in result.stdout  # the layout table
-    assert_layout(out, **layout)
+    run_layout(nproc, layout, [*FLAGS, *extra], out, data_cache)
     ref = reference(*FLAGS, "--batch_size", "16")
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
     assert_same_evals(ref, out)
+
+
+def test_tp_size_1_trains_fsdp_over_all_ranks(reference, tmp_path, data_cache):
+    """--tp_size 1 --dp_shard 2 on 2 processes (train_tp.py is TP only now): a TP group of one rank has
+    nothing to split, so no plan is applied and the two ranks train FSDP; the run says so, matches the
+    single-process run, and its first step holds FSDP's collectives, exactly, and no TP all-reduce."""
+    out = tmp_path / "tp1"
+    result = run_layout(2, {"dp_shard": 2, "tp": 1}, [*FLAGS, "--batch_size", "8"], out, data_cache)
+    assert "  order: FSDP\n" in result.stdout  # no "tensor parallel" in the order
+    ref = reference(*FLAGS, "--batch_size", "16")
+    assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
+    assert_same_evals(ref, out)
+    s = summary(out)
+    comm, n_units = s["collectives_first_step_rank0"], 4  # --n_layer 4: 4 FSDP units, then the root
+    assert set(comm) == {"all_gather", "reduce_scatter"}, comm  # no all-reduce: nothing was split for TP
+    # forward gathers the root and every unit; backward every unit again (each was resharded after its
+    # forward), not the root (kept gathered from its forward to its backward). The root is gathered in this
+    # step at all because check_loss_is_a_sum, which runs the model before the loop, reshards it after.
+    assert comm["all_gather"]["calls"] == (1 + n_units) + n_units
+    # one reduce-scatter per FSDP unit and root (no accumulation): every gradient once, at full size
+    assert comm["reduce_scatter"]["calls"] == 1 + n_units
+    assert comm["reduce_scatter"]["mib"] == pytest.approx(s["unsharded_param_bytes"] / 2**20, abs=1e-3)
+
+
+# a tiny 🤗 Llama (GQA: 2 key/value heads for 4 query heads), random init on the byte vocabulary
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def test_hf_llama_fsdp2_x_tp2_matches_single_process(reference, tmp_path, data_cache):
+    """A 🤗 Llama through the same composition: its TP plan (common/hf.py, with sequence parallel: the residual
+    stream stays a DTensor) under FSDP over its decoder layers; the one-process train_ddp.py run with the
+    same --model_config within 1e-5."""
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps(LLAMA))
+    flags = ["--model_config", str(config), *FLAGS[2:]]  # no --n_layer: the config has the layers
+    out = tmp_path / "hybrid"
+    result = run_layout(
+        4, {"dp_shard": 2, "tp": 2}, [*flags, "--batch_size", "8", "--sequence_parallel"], out, data_cache
+    )
+    assert "model llama (🤗 transformers, from config llama.json)" in result.stdout
+    assert "  order: tensor parallel -> FSDP\n" in result.stdout
+    ref = reference(*flags, "--batch_size", "16")
+    assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
+    assert_same_evals(ref, out)
+    assert (out / "model" / "config.json").is_file() and (out / "model" / "model.safetensors").is_file()
 
 
 def _flags(batch: int, data_cache: str, *extra: str) -> list[str]:
