@@ -32,7 +32,7 @@ from common.launch import build_parser, check_core_args, make_accelerator, run_m
 from common.metrics import RunLog, evaluate, replicated_summary, ring_allreduce_bytes
 from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
-from common.training import TrainStream, compile_units, make_optimizer, make_scheduler
+from common.training import TrainStream, clip_grad_norm_, compile_units, make_optimizer, make_scheduler
 
 
 # ======================================== DDP: the strategy
@@ -44,8 +44,8 @@ def ddp_forward_backward(accelerator, model, task, window: list, global_targets,
     for mb in window:
         with accelerator.accumulate(model):  # Accelerate: skips DDP's all-reduce until the last micro-batch
             loss_sum, _ = task.loss_of(model, mb)
-            # DDP averages gradients over dp_size ranks and accelerator.backward divides by the accumulation
-            # steps: scale back, so the gradient is that of (global loss sum / global targets).
+            # DDP averages the gradients over the dp ranks (and backward divides by the accumulation steps):
+            # scale back, so the gradient is that of (global loss sum / global targets)
             accelerator.backward(loss_sum * dp_size * len(window) / global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
@@ -59,7 +59,7 @@ def main():
     check_core_args(args)
     grad_accum = args.gradient_accumulation_steps
 
-    # ---------------------------------------- Accelerator
+    # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
     # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
     # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
@@ -79,7 +79,9 @@ def main():
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank: the replicas start equal
+    set_seed(
+        args.seed
+    )  # Accelerate: the same full model on every rank, before any strategy: init independent of layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     model, task = language_model(args, data)
@@ -87,9 +89,7 @@ def main():
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
     if args.compile:
-        compile_units(
-            task.units(model), accelerator
-        )  # each repeated unit, before DDP wraps the model: its all-reduce hooks stay outside
+        compile_units(task.units(model), accelerator)  # each unit, before DDP wraps the model
 
     # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)
@@ -100,7 +100,6 @@ def main():
     # Accelerate: wraps the model in DistributedDataParallel (gradient all-reduce in backward),
     # moves everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-
     check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     stream = TrainStream(
@@ -125,7 +124,7 @@ def main():
         window, global_targets = stream.next_step()
         # DDP: forward and backward of each micro-batch; the gradient all-reduce runs inside the last backward
         loss_sum = ddp_forward_backward(accelerator, model, task, window, global_targets, dp_size)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -143,7 +142,7 @@ def main():
     stream.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank: the main process writes
+    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")
     costs = replicated_summary(accelerator, n_params, allreduce_mib)
     log.summary(step, preempted=stream.preempted, **costs)

@@ -14,8 +14,7 @@ one per rank. A block's full weights exist only while that block computes:
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_fsdp.py
-    accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 \\
-        scripts/train_fsdp.py --model_size gpt2
+    accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 scripts/train_fsdp.py
     ... scripts/train_fsdp.py --dp_replicate 2     # HSDP: shard inside groups, replicate across them
     python scripts/train_fsdp.py                   # one process: nothing to shard, fully_shard not applied
 Lines marked `# FSDP:` are the strategy; `# Accelerate:` the library's part. Accelerate's own
@@ -40,40 +39,24 @@ from common.layout import Layout
 from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
 from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
-from common.training import (
-    TrainStream,
-    clip_grad_norm_,
-    compile_units,
-    make_optimizer,
-    make_scheduler,
-    shard_loader,
-    unit_modules,
-)
+from common.training import TrainStream, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 
 
 # ======================================== FSDP: the strategy
 def apply_activation_checkpointing(units) -> None:
-    """Recompute each unit's activations in backward instead of storing them. The composable
-    `checkpoint` adds no wrapper module, so parameter names stay those of the full model."""
+    """Recompute each unit's activations in backward (the composable `checkpoint` keeps parameter names)."""
     from torch.distributed._composable import checkpoint
 
-    for unit in unit_modules(units):
+    for unit in units.children():
         checkpoint(unit)
 
 
 def apply_fsdp(units, roots: list, mesh, mixed_precision="no", reshard_after_forward=True, cpu_offload=False) -> None:
-    """One FSDP unit per repeated unit (a block, a decoder layer), then each root (the whole model,
-    or each pipeline stage) holding what is left: embeddings, final norm, head. A unit's parameters
-    are all-gathered just before its forward and again before its backward, and its gradients
-    reduce-scattered right after its backward, so only one unit is ever unsharded at a time. A root
-    is gathered once per step: its head runs last in forward and first in backward, so freeing it in
-    between would only gather it again (torch's own default for a root; torchtitan keeps its norm
-    and head the same way). A 2-D mesh makes it HSDP: replicate over dim 0, shard over dim 1."""
-    import warnings
-
-    # Under TP the root returns the logits as a view of a DTensor's local tensor: FSDP warns that an
-    # in-place op on that view would skip its hooks; the loss only reads the logits.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    """One FSDP unit per repeated unit (a block, a decoder layer), then each root (the whole model, or each
+    pipeline stage) holding what is left: embeddings, final norm, head. A unit is all-gathered before its
+    forward and again before its backward, its gradients reduce-scattered after its backward: one unit is
+    unsharded at a time. A root stays gathered for the step (its head runs last in forward, first in
+    backward: torch's default for a root). A 2-D mesh makes it HSDP: replicate over dim 0, shard over dim 1."""
     # bf16 compute, fp32 gradient reduction and fp32 master weights (the launcher's --mixed_precision)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {
@@ -81,32 +64,24 @@ def apply_fsdp(units, roots: list, mesh, mixed_precision="no", reshard_after_for
         "mp_policy": bf16 if mixed_precision == "bf16" else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    for unit in unit_modules(units):
+    for unit in units.children():  # a ModuleDict's or a ModuleList's
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
     for root in roots:
         fully_shard(root, reshard_after_forward=False, **kwargs)
 
 
-def fsdp_start_line(layout, shard: bool, reshard_after_forward: bool) -> str:
-    """What the run shards, for its first lines."""
-    if not shard:
-        return "FSDP over 1 rank: nothing to shard, so fully_shard is not applied; launch 2 or more processes to shard"
-    reshard = "on (ZeRO-3; not the root, used first in backward)" if reshard_after_forward else "off (ZeRO-2 like)"
-    if layout.dp_replicate > 1:
-        return f"HSDP: {layout.dp_replicate} replicas x {layout.dp_shard} shards; reshard after forward {reshard}"
-    return f"FSDP over {layout.dp_shard} ranks; reshard after forward {reshard}"
-
-
 def fsdp_forward_backward(accelerator, model, task, window: list, global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
-    normalised by the target count of the whole global batch; FSDP averages gradients over the
-    dp ranks, so it is multiplied by dp (as in train_ddp.py)."""
+    normalised by the target count of the whole global batch (all micro-batches, all ranks), not
+    averaged per micro-batch (which weights targets unequally when their counts differ)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for i, mb in enumerate(window):
         if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
             model.set_requires_gradient_sync(i == len(window) - 1)
         with accelerator.autocast():  # Accelerate: autocast
             loss_sum, _ = task.loss_of(model, mb)
+            # FSDP averages the gradients over the dp ranks (one reduce-scatter per step):
+            # scale back, so the gradient is that of (global loss sum / global targets)
             accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
@@ -117,13 +92,8 @@ def main():
     parser = build_parser(__doc__)
     g = parser.add_argument_group("fully sharded data parallel")
     g.add_argument("--dp_replicate", type=int, default=1, help="HSDP: replicate over N groups, shard inside each")
-    g.add_argument(
-        "--reshard_after_forward",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="free each unit's gathered weights after forward, gather them again in backward (ZeRO-3; not the root); "
-        "--no-reshard_after_forward keeps them until backward (ZeRO-2 like: more memory, one all-gather less)",
-    )
+    reshard = "ZeRO-3: free each unit's gathered weights after forward (--no-reshard_after_forward: ZeRO-2 like)"
+    g.add_argument("--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True, help=reshard)
     g.add_argument("--cpu_offload", action="store_true", help="keep shards, gradients, optimizer state in CPU memory")
     g.add_argument("--activation_checkpointing", action="store_true", help="recompute each unit's activations")
     args = parser.parse_args()
@@ -144,9 +114,9 @@ def main():
     layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1)
     dp_size = layout.dp  # FSDP: every rank is a data-parallel rank, holding 1/dp_shard of the model
     global_batch_size = args.batch_size * dp_size * grad_accum
-    if args.cpu_offload and accelerator.device.type == "cpu":
+    if args.cpu_offload and accelerator.device.type == "cpu":  # FSDP: nothing to offload to
         raise UsageError(
-            "--cpu_offload moves state from the accelerator to CPU memory, but this run is on the CPU: drop it"
+            "--cpu_offload moves state from the accelerator to CPU memory; this run is on the CPU: drop it"
         )
 
     # ---------------------------------------- data (checked before anything is written)
@@ -154,7 +124,9 @@ def main():
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank, then sharded: init independent of layout
+    set_seed(
+        args.seed
+    )  # Accelerate: the same full model on every rank, before any strategy: init independent of layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     model, task = language_model(args, data)
@@ -169,10 +141,7 @@ def main():
         apply_activation_checkpointing(units)  # FSDP: less activation memory, one more forward per unit
     if args.compile:
         compile_units(units, accelerator)  # after activation checkpointing, before fully_shard
-    # One rank has nothing to shard: fully_shard would only add its per-unit hooks, about 3x DDP's
-    # host time per step (docs/benchmarks.md). Like torchtitan, apply it from 2 ranks on, or to
-    # offload the one copy to CPU memory.
-    shard = dp_size > 1 or args.cpu_offload
+    shard = dp_size > 1 or args.cpu_offload  # one rank has nothing to shard (torchtitan's rule: docs/fsdp.md)
     if shard:  # FSDP: shard every unit, then the root
         mesh = layout.fsdp_mesh or layout.sub("dp_shard")
         apply_fsdp(units, [model], mesh, accelerator.mixed_precision, args.reshard_after_forward, args.cpu_offload)
@@ -180,8 +149,7 @@ def main():
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    # Accelerate: optimizer/scheduler wrappers (not the model: FSDP owns it);
-    # the loader is sharded over the data-parallel ranks only
+    # Accelerate: optimizer/scheduler wrappers (not the model: FSDP owns it); the loader sharded over the dp ranks
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
@@ -198,7 +166,8 @@ def main():
         dp_group=layout.group("dp"),
     )
     log = RunLog(accelerator, args, "train_fsdp", progress["step"], layout.world_size, global_batch_size)
-    fsdp_line = fsdp_start_line(layout, shard, args.reshard_after_forward)
+    fsdp_line = f"FSDP over {layout.dp_replicate} x {layout.dp_shard} ranks (replicas x shards)"
+    fsdp_line = fsdp_line if shard else "FSDP over 1 rank: nothing to shard, so fully_shard is not applied"
     costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
     log.start(task, model_line, n_params, data, [fsdp_line, costs], resume_path, layout)
 
@@ -211,7 +180,7 @@ def main():
         with log.collectives():  # counts the first step's collectives
             # FSDP: per unit all-gather, compute, and in backward reduce-scatter the gradients
             loss_sum = fsdp_forward_backward(accelerator, model, task, window, global_targets, dp_size)
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # FSDP: each rank updates its own shard
         scheduler.step()
@@ -229,7 +198,7 @@ def main():
     stream.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank: gathers the shards, the main process writes
+    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, log.first_step_collectives)
     log.summary(step, preempted=stream.preempted, **costs)

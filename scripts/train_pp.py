@@ -53,7 +53,7 @@ from common.hf import HFPipelineStage, drop_for_stage
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
 from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
-from common.model import GPT, context_length, count_parameters, language_model
+from common.model import GPT, GPTStage, context_length, count_parameters, language_model, tokenizer_for
 from common.pipeline import (
     MULTI_STAGE_SCHEDULES,
     add_pipeline_args,
@@ -75,30 +75,6 @@ from common.training import (
 
 
 # ======================================== MODEL: how one pipeline stage of the model runs (docs/your-model.md)
-class GPTStage(nn.Module):
-    """One pipeline stage of the built-in GPT: a view onto some of its blocks. It owns nothing: its
-    parts are the model's modules, so the model's parameter names (and checkpoints) are untouched.
-    The first stage embeds, the last applies the final norm and head, with the model's own code
-    (GPT.embed / GPT.head)."""
-
-    def __init__(self, model: GPT, layers: range, is_first: bool, is_last: bool):
-        super().__init__()
-        self.tok_emb, self.pos_emb, self.drop = (
-            (model.tok_emb, model.pos_emb, model.drop) if is_first else (None, None, None)
-        )
-        self.blocks = nn.ModuleList(model.blocks[str(i)] for i in layers)
-        self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if is_last else (None, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_emb is not None:
-            x = GPT.embed(self, x)  # token ids -> hidden states
-        for block in self.blocks:
-            x = block(x)
-        if self.lm_head is not None:
-            x = GPT.head(self, x)  # hidden states -> logits
-        return x
-
-
 def stage_modules(model: nn.Module, stages: list[tuple[range, bool, bool]]) -> list[nn.Module]:
     """This rank's stages, one module per (units, is_first, is_last); the parts only the first stage
     uses (embeddings) go where this rank holds no first stage, those of the last (final norm, head)
@@ -343,7 +319,7 @@ def main():
     global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps  # one pipeline: dp 1
 
     # ---------------------------------------- data (checked before anything is written)
-    data = load_data(args, accelerator, context_length(args))
+    data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)

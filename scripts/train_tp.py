@@ -59,7 +59,7 @@ from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
 from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
-from common.model import context_length, count_parameters, language_model
+from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
 from common.training import TrainStream, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 
@@ -324,7 +324,7 @@ def main():
     global_batch_size = args.batch_size * dp_size * args.gradient_accumulation_steps
 
     # ---------------------------------------- data (checked before anything is written)
-    data = load_data(args, accelerator, context_length(args))
+    data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
     check_tp_flags(layout, data.seq_len, data.task, args.sequence_parallel, args.loss_parallel)
 

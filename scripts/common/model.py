@@ -156,6 +156,30 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class GPTStage(nn.Module):
+    """Some consecutive blocks of the GPT, for a pipeline stage: a view that owns nothing (its parts
+    are the model's modules, so parameter names, and checkpoints, are untouched). The first stage
+    embeds, the last applies the final norm and head, with the model's own code (GPT.embed /
+    GPT.head)."""
+
+    def __init__(self, model: GPT, layers: range, is_first: bool, is_last: bool):
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = (
+            (model.tok_emb, model.pos_emb, model.drop) if is_first else (None, None, None)
+        )
+        self.blocks = nn.ModuleList(model.blocks[str(i)] for i in layers)
+        self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if is_last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:
+            x = GPT.embed(self, x)  # token ids -> hidden states
+        for block in self.blocks:
+            x = block(x)
+        if self.lm_head is not None:
+            x = GPT.head(self, x)  # hidden states -> logits
+        return x
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
