@@ -34,6 +34,7 @@ A checkpoint saved by any script and layout resumes under any other (same model,
 """
 
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
@@ -43,10 +44,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
+from common.hf import HFPipelineStage, drop_for_stage
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
 from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
-from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.model import GPT, context_length, count_parameters, language_model, tokenizer_for
 from common.pipeline import add_pipeline_args, check_pipeline_layout, parse_pipeline_flags
 from common.task import check_loss_is_a_sum
 from common.training import (
@@ -61,6 +63,22 @@ from common.training import (
 from train_fsdp import apply_activation_checkpointing, apply_fsdp
 from train_pp import PipelineStep, split_pipeline, stage_modules
 from train_tp import apply_tensor_parallel, check_tp_flags, check_tp_plan, model_tp_plan, tp_forward_backward
+
+
+# ======================================== MODEL: its TP plan and pipeline stages (docs/your-model.md)
+# The TP plan is train_tp.py's (model_tp_plan: the GPT's, or a 🤗 Llama-family model's); the pipeline stages
+# are train_pp.py's (stage_modules), with the one thing TP adds here:
+def tp_stage_modules(model, stages: list, sp_mesh=None) -> list:
+    """train_pp.py's stages of the model (split_pipeline's builder). Under TP with --sequence_parallel
+    (`sp_mesh`: the TP mesh) the activations between blocks are cut over the sequence, and each rank sends
+    the next stage its slice, a plain tensor. The GPT's blocks take the slice as it comes (its plan's local
+    outputs); a 🤗 model's stage wraps it again as a Shard(1) DTensor, since 🤗 reads the positions, rotary
+    cos/sin and mask off the full length (HFPipelineStage's sp_mesh)."""
+    if sp_mesh is None or isinstance(model, GPT):
+        return stage_modules(model, stages)
+    first, last = any(is_first for _, is_first, _ in stages), any(is_last for _, _, is_last in stages)
+    drop_for_stage(model, {i for units, _, _ in stages for i in units}, first, last)
+    return [HFPipelineStage(model, units, is_first, is_last, sp_mesh) for units, is_first, is_last in stages]
 
 
 def main():
@@ -100,7 +118,6 @@ def main():
     # ---------------------------------------- data (checked before anything is written)
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
-    check_tp_flags(layout, data.seq_len, data.task, args.sequence_parallel, args.loss_parallel)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
     set_seed(args.seed)  # Accelerate: the same full model on every rank before any cut: init independent of layout
@@ -114,7 +131,9 @@ def main():
     # the TP plan, {module name: style}, of train_tp.py's MODEL section (the GPT's or a 🤗 Llama's), checked
     # on the full model; a pipeline stage is built by train_pp.py's MODEL section (stage_modules)
     plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
-    check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model and flags
+    if plan:
+        check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model, flags
+    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
     if layout.pp > 1:
         check_pipeline_layout(layout, len(units), args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
@@ -123,9 +142,11 @@ def main():
     # ---------------------------------------- the strategies, in torchtitan's order
     stages = None
     if layout.pp > 1:  # PP: 1. keep this rank's units, one module per stage it holds
-        stages = split_pipeline(model, units, layout, stage_modules, args.stages_per_rank, args.split_points)
-        held = {name for name, _ in model.named_modules()}
-        plan = {key: style for key, style in plan.items() if key in held}  # TP: only the parts this rank holds
+        sp_mesh = layout.sub("tp") if args.sequence_parallel else None  # TP: activations cut over the sequence
+        build = partial(tp_stage_modules, sp_mesh=sp_mesh)  # the MODEL section's (above)
+        stages = split_pipeline(model, units, layout, build, args.stages_per_rank, args.split_points)
+        if plan:  # TP: the plan again, for what this rank holds (the MODEL section's plan skips the dropped parts)
+            plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel)
     if layout.tp > 1:
         apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: 2. every weight the plan names becomes a shard
     if args.activation_checkpointing:

@@ -233,21 +233,26 @@ def tp_forward_backward(
     return step_loss_sum if counts_loss else torch.zeros_like(step_loss_sum)
 
 
-def check_tp_flags(layout: Layout, seq_len: int, data_task: str, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """--sequence_parallel / --loss_parallel need a TP group; sequence parallel also needs every
-    rank to get an equal slice of the sequence (docs/troubleshooting.md, "Sequence parallel needs
-    a divisible sequence length")."""
+def check_tp_flags(layout: Layout, task, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """--sequence_parallel / --loss_parallel need a TP group; sequence parallel also needs samples that
+    are sequences (Task.tokens_per_sample), and every rank an equal slice of them (docs/troubleshooting.md,
+    "Sequence parallel needs a divisible sequence length")."""
     if layout.tp == 1 and (sequence_parallel or loss_parallel):
         flag = "sequence_parallel" if sequence_parallel else "loss_parallel"
         raise UsageError(
             f"--{flag} shards over the TP group, but --tp_size is 1: use --tp_size 2 or more, or drop --{flag}"
         )
-    if sequence_parallel and seq_len % layout.tp:
-        hint = (
-            "choose --addition_digits d with 3d+4 divisible by it (d = 4 gives 16 tokens)"
-            if data_task == "addition"
-            else "use a --block_size divisible by it"
+    seq_len = task.tokens_per_sample
+    if sequence_parallel and not seq_len:
+        raise UsageError(
+            "--sequence_parallel splits each sample's sequence over the TP ranks, but this task's samples are not "
+            "sequences (Task.tokens_per_sample is None): drop --sequence_parallel"
         )
+    if sequence_parallel and seq_len % layout.tp:
+        hint = {
+            "addition": "choose --addition_digits d with 3d+4 divisible by it (d = 4 gives 16 tokens)",
+            "text": "use a --block_size divisible by it",
+        }.get(getattr(task, "data_task", None), "use samples whose length it divides")
         raise UsageError(
             f"--sequence_parallel splits the {seq_len}-token sequence over --tp_size {layout.tp} ranks, "
             f"which does not divide it: {hint}"
@@ -259,8 +264,12 @@ def tp_start_lines(model: nn.Module, plan: dict, layout: Layout, args, seq_len: 
     forward, f in backward, each of b*s*d activations in fp32), for the start lines and the summary."""
     if layout.tp == 1:
         return ["tensor parallel: 1 rank per group: nothing to split, so the TP plan is not applied"], {}
-    modules = dict(model.named_modules())
-    row = [modules[k] for k, s in plan.items() if isinstance(s, RowwiseParallel) and isinstance(modules[k], nn.Linear)]
+    rowwise = [key for key, style in plan.items() if isinstance(style, RowwiseParallel)]
+    row = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and any(_key_matches(k, name) for k in rowwise)
+    ]
     n_col = sum(isinstance(s, ColwiseParallel) for s in plan.values())
     n_row = sum(isinstance(s, RowwiseParallel) for s in plan.values())
     width = max((m.out_features for m in row), default=0)
@@ -326,7 +335,6 @@ def main():
     # ---------------------------------------- data (checked before anything is written)
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
-    check_tp_flags(layout, data.seq_len, data.task, args.sequence_parallel, args.loss_parallel)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
     set_seed(args.seed)  # Accelerate: the same full model on every rank, then split: init independent of the layout
@@ -338,7 +346,9 @@ def main():
     n_params, model_line = count_parameters(model), task.describe(model)
     # the TP plan, {module name: style} (above); one rank has nothing to split
     plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
-    check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model and flags
+    if plan:
+        check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model, flags
+    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
 
@@ -372,7 +382,7 @@ def main():
         dp_group=layout.group("dp"),
     )
     log = RunLog(accelerator, args, "train_tp", progress["step"], layout.world_size, global_batch_size)
-    tp_lines, megatron = tp_start_lines(model, plan, layout, args, data.seq_len)
+    tp_lines, megatron = tp_start_lines(model, plan, layout, args, task.tokens_per_sample or 1)
     costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
     log.start(task, model_line, n_params, data, [*tp_lines, costs], resume_path, layout)
 

@@ -9,7 +9,8 @@ metrics.jsonl must hold the example's own evaluation (eval_loss, mae, r2). The l
 mean must stop the copy at start with the page's one error line. The page's claims about the copy
 are checked too: the diffs touch only the data and MODEL sections, the figures of lines changed are
 the diffs', every file of common/ is listed (with its line count, within 10%), and the Chinese
-edition shows the same code."""
+edition shows the same code. tests/your_model/update_page.py rewrites the diffs and figures after the
+scripts change."""
 
 from __future__ import annotations
 
@@ -83,7 +84,10 @@ def make_copy(folder: Path, script: str) -> Path:
         capture_output=True,
         text=True,
     )
-    assert result.returncode == 0, f"the page's diff of {script} no longer applies:\n{result.stdout}{result.stderr}"
+    assert result.returncode == 0, (
+        f"the page's diff of {script} no longer applies (python tests/your_model/update_page.py rewrites it):\n"
+        f"{result.stdout}{result.stderr}"
+    )
     return folder
 
 

@@ -36,8 +36,6 @@ DATA = """    from types import SimpleNamespace
     train, validation = TensorDataset(x[:2048], y[:2048]), TensorDataset(x[2048:], y[2048:])  # rows (x, y)
     data = SimpleNamespace(train=train, validation=validation, name="synthetic regression")
 """
-TP_DATA = """    data.seq_len, data.task = 1, "regression"  # what the TP checks and start lines read: no sequence, 1 position
-"""
 MODEL = """    from regression import RegMLP, RegressionTask  # your model and its Task: regression.py, beside this copy
 
     model, task = RegMLP(), RegressionTask()
@@ -62,7 +60,7 @@ def replace_once(pattern: str, new: str, text: str, what: str) -> str:
 
 def edit(script: str, text: str) -> str:
     """The page's adaptation of `script`, as a recipe that survives changes around it."""
-    data = DATA + (TP_DATA if script == "train_tp.py" else "")
+    data = DATA
     text = replace_once(r"^    data = load_data\(.*\)\n", data, text, "the data line")
     text = replace_once(
         r"(^    # .*\n)*^    model, task = language_model\(args, data\)\n", MODEL, text, "the model line"
