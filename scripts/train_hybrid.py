@@ -23,13 +23,13 @@ Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml --num_processes 4 \\
         scripts/train_hybrid.py --dp_shard 2 --tp_size 2
     accelerate launch ... --num_processes 8 scripts/train_hybrid.py --n_layer 4 --pp_size 2 --dp_shard 2 --tp_size 2
-    accelerate launch ... scripts/train_hybrid.py --model_config llama --dp_shard 2 --tp_size 2   # a 🤗 model
+    accelerate launch ... --num_processes 4 scripts/train_hybrid.py --model_config llama --dp_shard 2 --tp_size 2
     accelerate launch ... --num_processes 2 scripts/train_hybrid.py --tp_size 1 --dp_shard 2   # FSDP, no TP split
 Strategies are applied in a fixed order (split into stages, then TP, then activation checkpointing,
 then --compile, then FSDP), by the functions imported from train_pp.py, train_tp.py and
 train_fsdp.py: this file holds the mesh and the order, no strategy code of its own. The MODEL
-section names the model; its TP plan and its pipeline stages are those of train_tp.py's and
-train_pp.py's MODEL sections (the built-in GPT's, or a 🤗 Llama-family model's).
+section names the model (the built-in GPT, or a 🤗 transformers model: --model_config llama above);
+its TP plan and pipeline stages are those of train_tp.py's and train_pp.py's MODEL sections.
 A checkpoint saved by any script and layout resumes under any other (same model, same global batch).
 """
 
@@ -145,7 +145,7 @@ def main():
         sp_mesh = layout.sub("tp") if args.sequence_parallel else None  # TP: activations cut over the sequence
         build = partial(tp_stage_modules, sp_mesh=sp_mesh)  # the MODEL section's (above)
         stages = split_pipeline(model, units, layout, build, args.stages_per_rank, args.split_points)
-        if plan:  # TP: the plan again, for what this rank holds (the MODEL section's plan skips the dropped parts)
+        if layout.tp > 1:  # TP: the plan again, of what this rank holds (the MODEL section skips dropped parts)
             plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel)
     if layout.tp > 1:
         apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: 2. every weight the plan names becomes a shard

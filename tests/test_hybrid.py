@@ -87,19 +87,32 @@ LLAMA = {
 }
 
 
-def test_hf_llama_fsdp2_x_tp2_matches_single_process(reference, tmp_path, data_cache):
-    """A 🤗 Llama through the same composition: its TP plan (common/hf.py, with sequence parallel: the residual
-    stream stays a DTensor) under FSDP over its decoder layers; the one-process train_ddp.py run with the
-    same --model_config within 1e-5."""
-    config = tmp_path / "llama.json"
-    config.write_text(json.dumps(LLAMA))
-    flags = ["--model_config", str(config), *FLAGS[2:]]  # no --n_layer: the config has the layers
+@pytest.fixture(scope="module")
+def llama_config(tmp_path_factory):
+    """The config file, one for the module: the one-process reference runs once for both cases."""
+    path = tmp_path_factory.mktemp("hf_config") / "llama.json"
+    path.write_text(json.dumps(LLAMA))
+    return path
+
+
+@pytest.mark.parametrize(
+    "layout, batch, order",
+    [
+        ({"dp_shard": 2, "tp": 2}, "8", "tensor parallel -> FSDP"),
+        # the stages pass each rank's sequence slice on, wrapped again as a DTensor on the way in (sp_mesh)
+        ({"pp": 2, "tp": 2, "dp_shard": 1}, "16", "pipeline split -> tensor parallel"),
+    ],
+    ids=["fsdp2xtp2", "pp2xtp2"],
+)
+def test_hf_llama_matches_single_process(layout, batch, order, llama_config, reference, tmp_path, data_cache):
+    """A 🤗 Llama through the same composition, with sequence parallel (its residual stream stays a
+    DTensor): its TP plan (common/hf.py) under FSDP over its decoder layers, or split into pipeline
+    stages; the one-process train_ddp.py run with the same --model_config within 1e-5."""
+    flags = ["--model_config", str(llama_config), *FLAGS[2:]]  # no --n_layer: the config has the layers
     out = tmp_path / "hybrid"
-    result = run_layout(
-        4, {"dp_shard": 2, "tp": 2}, [*flags, "--batch_size", "8", "--sequence_parallel"], out, data_cache
-    )
+    result = run_layout(4, layout, [*flags, "--batch_size", batch, "--sequence_parallel"], out, data_cache)
     assert "model llama (🤗 transformers, from config llama.json)" in result.stdout
-    assert "  order: tensor parallel -> FSDP\n" in result.stdout
+    assert f"  order: {order}\n" in result.stdout
     ref = reference(*flags, "--batch_size", "16")
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
     assert_same_evals(ref, out)
