@@ -29,24 +29,24 @@ from accelerate.utils import GradientAccumulationPlugin, set_seed
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
-from common.metrics import RunLog, evaluate, replicated_summary, ring_allreduce_bytes
+from common.metrics import RunMonitor, evaluate, replicated_summary, ring_allreduce_bytes
 from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
-from common.training import TrainStream, clip_grad_norm_, compile_units, make_optimizer, make_scheduler
+from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler
 
 
 # ======================================== DDP: the strategy
-def ddp_forward_backward(accelerator, model, task, window: list, global_targets, dp_size: int) -> torch.Tensor:
+def ddp_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
     normalised by the target count of the whole global batch (all micro-batches, all ranks), not
     averaged per micro-batch (which weights targets unequally when their counts differ)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
-    for mb in window:
+    for mb in micro_batches:
         with accelerator.accumulate(model):  # Accelerate: skips DDP's all-reduce until the last micro-batch
             loss_sum, _ = task.loss_of(model, mb)
             # DDP averages the gradients over the dp ranks (and backward divides by the accumulation steps):
             # scale back, so the gradient is that of (global loss sum / global targets)
-            accelerator.backward(loss_sum * dp_size * len(window) / global_targets)  # Accelerate: backward
+            accelerator.backward(loss_sum * dp_size * len(micro_batches) / global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
 
@@ -63,7 +63,7 @@ def main():
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
     # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
     # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
-    # Accelerate: accumulate() skips DDP's all-reduce until the window's last micro-batch (our own windows)
+    # Accelerate: accumulate() skips DDP's all-reduce until the micro_batches's last micro-batch (our own windows)
     accumulation = GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False, adjust_scheduler=False)
     accelerator = make_accelerator(
         args,
@@ -102,7 +102,7 @@ def main():
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
-    stream = TrainStream(
+    feed = StepFeed(
         accelerator,
         train_loader,
         train_sampler,
@@ -111,42 +111,42 @@ def main():
         progress,
         task.count_targets,
     )
-    log = RunLog(accelerator, args, "train_ddp", progress["step"], dp_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_ddp", progress["step"], dp_size, global_batch_size)
     allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
     ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB"
-    log.start(task, model_line, n_params, data, [f"{ddp_line} = {allreduce_mib:.1f} MiB"], resume_path)
+    monitor.start(task, model_line, n_params, data, [f"{ddp_line} = {allreduce_mib:.1f} MiB"], resume_path)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
-    while step < last_step and not stream.preempted:
-        log.step_start()
-        window, global_targets = stream.next_step()
+    while step < last_step and not feed.preempted:
+        monitor.step_start()
+        micro_batches, global_targets = feed.next_step()
         # DDP: forward and backward of each micro-batch; the gradient all-reduce runs inside the last backward
-        loss_sum = ddp_forward_backward(accelerator, model, task, window, global_targets, dp_size)
+        loss_sum = ddp_forward_backward(accelerator, model, task, micro_batches, global_targets, dp_size)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        log.step_end()
+        monitor.step_end()
 
-        if log.due(step, "train"):
+        if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
-        if log.due(step, "eval"):
-            log.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
-        if log.due(step, "checkpoint") or stream.preempted:  # every rank writes its part (a collective)
-            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts)
-    stream.close()
+            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+        if monitor.due(step, "eval"):
+            monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
+    feed.close()
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")
     costs = replicated_summary(accelerator, n_params, allreduce_mib)
-    log.summary(step, preempted=stream.preempted, **costs)
-    del model, optimizer, scheduler, train_loader, stream  # free DDP's wrapper while every peer is still there
+    monitor.summary(step, preempted=feed.preempted, **costs)
+    del model, optimizer, scheduler, train_loader, feed  # free DDP's wrapper while every peer is still there
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

@@ -36,10 +36,10 @@ from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
+from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
 from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
-from common.training import TrainStream, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
+from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 
 
 # ======================================== FSDP: the strategy
@@ -64,20 +64,21 @@ def apply_fsdp(units, roots: list, mesh, mixed_precision="no", reshard_after_for
         "mp_policy": bf16 if mixed_precision == "bf16" else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    for unit in units.children():  # a ModuleDict's or a ModuleList's
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
+    for unit in units.children():  # a ModuleDict's or a ModuleList's; a pipeline's placeholders hold nothing
+        if any(True for _ in unit.parameters()):
+            fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
     for root in roots:
         fully_shard(root, reshard_after_forward=False, **kwargs)
 
 
-def fsdp_forward_backward(accelerator, model, task, window: list, global_targets, dp_size: int) -> torch.Tensor:
+def fsdp_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
     normalised by the target count of the whole global batch (all micro-batches, all ranks), not
     averaged per micro-batch (which weights targets unequally when their counts differ)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
-    for i, mb in enumerate(window):
+    for i, mb in enumerate(micro_batches):
         if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
-            model.set_requires_gradient_sync(i == len(window) - 1)
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with accelerator.autocast():  # Accelerate: autocast
             loss_sum, _ = task.loss_of(model, mb)
             # FSDP averages the gradients over the dp ranks (one reduce-scatter per step):
@@ -108,7 +109,7 @@ def main():
     accelerator = make_accelerator(
         args,
         cpu=args.cpu or not torch.cuda.is_available(),
-        sharded="train_fsdp",  # refuses a launch that also asks Accelerate to shard
+        sharded=True,  # refuses a launch that also asks Accelerate to shard
         step_scheduler_with_optimizer=False,
     )
     layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1)
@@ -155,7 +156,7 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
-    stream = TrainStream(
+    feed = StepFeed(
         accelerator,
         train_loader,
         train_sampler,
@@ -165,43 +166,42 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    log = RunLog(accelerator, args, "train_fsdp", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_fsdp", progress["step"], layout.world_size, global_batch_size)
     fsdp_line = f"FSDP over {layout.dp_replicate} x {layout.dp_shard} ranks (replicas x shards)"
     fsdp_line = fsdp_line if shard else "FSDP over 1 rank: nothing to shard, so fully_shard is not applied"
-    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(task, model_line, n_params, data, [fsdp_line, costs], resume_path, layout)
+    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
+    monitor.start(task, model_line, n_params, data, [fsdp_line, costs], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
-    while step < last_step and not stream.preempted:
-        log.step_start()
-        window, global_targets = stream.next_step()
-        with log.collectives():  # counts the first step's collectives
-            # FSDP: per unit all-gather, compute, and in backward reduce-scatter the gradients
-            loss_sum = fsdp_forward_backward(accelerator, model, task, window, global_targets, dp_size)
+    while step < last_step and not feed.preempted:
+        monitor.step_start()
+        micro_batches, global_targets = feed.next_step()
+        with monitor.collectives():  # FSDP: per unit all-gather, compute; backward reduce-scatters (counted once)
+            loss_sum = fsdp_forward_backward(accelerator, model, task, micro_batches, global_targets, dp_size)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # FSDP: each rank updates its own shard
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        log.step_end()
+        monitor.step_end()
 
-        if log.due(step, "train"):
+        if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
-        if log.due(step, "eval"):
-            log.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
-        if log.due(step, "checkpoint") or stream.preempted:  # every rank writes its part (a collective)
-            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts)
-    stream.close()
+            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+        if monitor.due(step, "eval"):
+            monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
+    feed.close()
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
-    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, log.first_step_collectives)
-    log.summary(step, preempted=stream.preempted, **costs)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
+    monitor.summary(step, preempted=feed.preempted, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
 

@@ -34,6 +34,7 @@ A checkpoint saved by any script and layout resumes under any other (same model,
 """
 
 import sys
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -47,12 +48,12 @@ from common.data import data_source, load_data, make_train_loader
 from common.hf import HFPipelineStage, drop_for_stage
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
+from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
 from common.model import GPT, context_length, count_parameters, language_model, tokenizer_for
 from common.pipeline import add_pipeline_args, check_pipeline_layout, parse_pipeline_flags
 from common.task import check_loss_is_a_sum
 from common.training import (
-    TrainStream,
+    StepFeed,
     clip_grad_norm_,
     compile_units,
     make_optimizer,
@@ -104,7 +105,7 @@ def main():
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
     # the scheduler counts optimizer steps, whatever the layout.
-    accelerator = make_accelerator(args, sharded="train_hybrid", step_scheduler_with_optimizer=False)
+    accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
     # one object holds the degrees, checked once: their product is the world size
     layout = Layout.from_degrees(
         accelerator.num_processes,
@@ -154,7 +155,9 @@ def main():
     if args.compile:
         compile_units(units, accelerator)  # 4. torch.compile per unit, before FSDP's hooks
     if layout.dp > 1:  # FSDP: 5. one unit per repeated unit, then each root (the model, or each stage); 2-D: HSDP
-        # under PP the units stay gathered for the whole step: one all-gather, not one per micro-batch
+        # under PP the units stay gathered for the whole step: one all-gather, not one per micro-batch; under TP
+        # the logits are a view of a DTensor's local tensor, which FSDP warns about (the loss only reads them)
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         apply_fsdp(units, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision, layout.pp == 1)
     if layout.pp > 1:  # PP: the schedule runs every micro-batch through the stages, forward and backward
         pipeline = PipelineStep(
@@ -163,9 +166,16 @@ def main():
         forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
     else:
 
-        def forward_backward(window, global_targets):  # TP: the loss on vocabulary shards under --loss_parallel
+        def forward_backward(micro_batches, global_targets):  # TP: the loss on vocabulary shards under --loss_parallel
             return tp_forward_backward(
-                accelerator, model, task, window, global_targets, args.loss_parallel, layout.dp, layout.holds_loss
+                accelerator,
+                model,
+                task,
+                micro_batches,
+                global_targets,
+                args.loss_parallel,
+                layout.dp,
+                layout.holds_loss,
             )
 
         predict, eval_batch_size = None, args.eval_batch_size
@@ -183,7 +193,7 @@ def main():
             task, model, data.validation, accelerator.device, loss_parallel() if args.loss_parallel else None
         )
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
-    stream = TrainStream(
+    feed = StepFeed(
         accelerator,
         train_loader,
         train_sampler,
@@ -193,7 +203,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    log = RunLog(accelerator, args, "train_hybrid", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_hybrid", progress["step"], layout.world_size, global_batch_size)
     applied = (
         ("pipeline split", layout.pp > 1),
         ("tensor parallel", layout.tp > 1),
@@ -202,42 +212,44 @@ def main():
         ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp > 1),
     )
     order = " -> ".join(name for name, on in applied if on) or "none (one process)"
-    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(task, model_line, n_params, data, [f"order: {order}", costs], resume_path, layout)
+    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
+    monitor.start(task, model_line, n_params, data, [f"order: {order}", costs], resume_path, layout)
     pp_group = layout.group("pp")
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
-    while step < last_step and not stream.preempted:
-        log.step_start()
-        window, global_targets = stream.next_step()
-        with log.collectives():  # counts the first step's collectives
+    while step < last_step and not feed.preempted:
+        monitor.step_start()
+        micro_batches, global_targets = feed.next_step()
+        with monitor.collectives():  # counts the first step's collectives
             # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter of gradients
-            loss_sum = forward_backward(window, global_targets)  # one rank per replica holds it (layout.holds_loss)
+            loss_sum = forward_backward(
+                micro_batches, global_targets
+            )  # one rank per replica holds it (layout.holds_loss)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # sharded, over the stages
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # each rank updates what it holds
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        log.step_end()
+        monitor.step_end()
 
-        if log.due(step, "train"):
+        if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
-        if log.due(step, "eval"):  # each sample counted once; under PP forward only through the pipeline
+            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+        if monitor.due(step, "eval"):  # each sample counted once; under PP forward only through the pipeline
             result = evaluate(accelerator, model, task, data.validation, eval_batch_size, layout, predict)
-            log.eval(step, result)
-        if log.due(step, "checkpoint") or stream.preempted:  # every rank writes its part (a collective)
-            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts)
-    stream.close()
+            monitor.eval(step, result)
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
+    feed.close()
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank: gathers the shards; one rank per stage sends its units
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
-    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, log.first_step_collectives)
-    log.summary(step, preempted=stream.preempted, **costs, **(pipeline.summary(args) if layout.pp > 1 else {}))
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
+    monitor.summary(step, preempted=feed.preempted, **costs, **(pipeline.summary(args) if layout.pp > 1 else {}))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

@@ -43,20 +43,20 @@ from common.checkpoint import check_resume_and_output, export_model, load_checkp
 from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, launcher_sharding, make_accelerator, run_main
-from common.metrics import RunLog, evaluate, replicated_summary, ring_allreduce_bytes
+from common.metrics import RunMonitor, evaluate, replicated_summary, ring_allreduce_bytes
 from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
-from common.training import TrainStream, compile_units, make_optimizer, make_scheduler
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 
 
 # ======================================== Local SGD: the strategy
-def local_forward_backward(accelerator, model, task, window: list, global_targets, dp_size: int) -> torch.Tensor:
+def local_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The gradients stay
     local (LocalSGD keeps DDP in no_sync). The loss is normalised by the target count of the whole
     global batch (all micro-batches, all ranks), as in train_ddp.py, and multiplied by dp_size
     because the fusion averages the replicas: K = 1 with plain SGD is then DDP."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
-    for mb in window:
+    for mb in micro_batches:
         loss_sum, _ = task.loss_of(model, mb)
         accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
@@ -162,7 +162,7 @@ def main():
     check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     local_sgd.num_steps = progress["step"]  # Local SGD: a resumed run fuses at the same steps as an uninterrupted one
-    stream = TrainStream(
+    feed = StepFeed(
         accelerator,
         train_loader,
         train_sampler,
@@ -171,20 +171,20 @@ def main():
         progress,
         task.count_targets,
     )
-    log = RunLog(accelerator, args, "train_localsgd", progress["step"], dp_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_localsgd", progress["step"], dp_size, global_batch_size)
     fusion_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 parameters, once per fusion
     fusion_line = f"Local SGD: fusing every {args.sync_every} steps; {fusion_mib:.1f} MiB per fusion and rank"
     per_step = f"{fusion_mib / args.sync_every:.2f} MiB per step (DDP: {fusion_mib:.1f} MiB per step)"
-    log.start(task, model_line, n_params, data, [f"{fusion_line} = {per_step}"], resume_path)
+    monitor.start(task, model_line, n_params, data, [f"{fusion_line} = {per_step}"], resume_path)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
-    while step < last_step and not stream.preempted:
-        log.step_start()
-        window, global_targets = stream.next_step()
+    while step < last_step and not feed.preempted:
+        monitor.step_start()
+        micro_batches, global_targets = feed.next_step()
         # Local SGD: forward and backward of each micro-batch; the gradients stay on this rank
-        loss_sum = local_forward_backward(accelerator, model, task, window, global_targets, dp_size)
+        loss_sum = local_forward_backward(accelerator, model, task, micro_batches, global_targets, dp_size)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -192,18 +192,20 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         local_sgd.step()  # Local SGD: every sync_every-th step, average the parameters over the ranks
         step += 1
-        log.step_end()
+        monitor.step_end()
 
-        if log.due(step, "train"):
+        if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
             fusion = replicas(accelerator, model, step, args.sync_every)  # Local SGD: fused? how far apart?
-            log.train(step, loss, lr, grad_norm, **fusion, epoch=stream.epoch)
-        if log.due(step, "eval") and step < args.max_steps:  # Local SGD: the last one scores the fused model
+            monitor.train(step, loss, lr, grad_norm, **fusion, epoch=feed.epoch)
+        if monitor.due(step, "eval") and step < args.max_steps:  # Local SGD: the last one scores the fused model
             # between fusions each rank scores its share of the samples with its own replica
-            log.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
-        if log.due(step, "checkpoint") or stream.preempted:  # Local SGD: the replicas differ: every rank saves its own
-            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts, per_rank_state=True)
-    stream.close()
+            monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
+        if (
+            monitor.due(step, "checkpoint") or feed.preempted
+        ):  # Local SGD: the replicas differ: every rank saves its own
+            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts, per_rank_state=True)
+    feed.close()
 
     # ---------------------------------------- save
     if args.save_rank_models and step == args.max_steps:  # Local SGD: every rank writes its own, before the fusion
@@ -216,13 +218,13 @@ def main():
     fusions = step // sync_every - start_step // sync_every + (step % sync_every != 0) if dp_size > 1 else 0
     if step == args.max_steps:  # every rank: the main process writes
         result = evaluate(accelerator, model, task, data.validation, args.eval_batch_size)
-        log.eval(step, result, fused_model=True, param_spread=replica_spread(accelerator, model))
+        monitor.eval(step, result, fused_model=True, param_spread=replica_spread(accelerator, model))
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")  # the fused model
     n_tensors = len(list(model.parameters()))
     costs = replicated_summary(accelerator, n_params, 0.0)  # no gradient all-reduce: parameters, once per fusion
-    log.summary(
+    monitor.summary(
         step,
-        preempted=stream.preempted,
+        preempted=feed.preempted,
         **costs,
         sync_every=sync_every,
         fusions=fusions,
@@ -236,7 +238,7 @@ def main():
             f"each rank's model before the final fusion: {Path(args.output_dir) / 'rank_models'}/rank_<r> "
             "(fuse them with scripts/merge_checkpoints.py)"
         )
-    del model, optimizer, scheduler, train_loader, stream, local_sgd  # free DDP's wrapper while every peer is there
+    del model, optimizer, scheduler, train_loader, feed, local_sgd  # free DDP's wrapper while every peer is there
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

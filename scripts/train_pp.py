@@ -52,7 +52,7 @@ from common.errors import UsageError
 from common.hf import HFPipelineStage, drop_for_stage
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
+from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
 from common.model import GPT, GPTStage, context_length, count_parameters, language_model, tokenizer_for
 from common.pipeline import (
     MULTI_STAGE_SCHEDULES,
@@ -64,7 +64,7 @@ from common.pipeline import (
     stages_of_rank,
 )
 from common.training import (
-    TrainStream,
+    StepFeed,
     clip_grad_norm_,
     compile_units,
     make_optimizer,
@@ -225,9 +225,9 @@ class PipelineStep:
     def _context(self):
         return loss_parallel() if self.use_loss_parallel else nullcontext()
 
-    def __call__(self, window: list, global_targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, micro_batches: list, global_targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the whole batch; returns this replica's loss sum where it is reported."""
-        (mb,) = window  # the schedule splits the batch into micro-batches itself
+        (mb,) = micro_batches  # the schedule splits the batch into micro-batches itself
         self.scale = self.layout.dp / global_targets  # times dp: FSDP averages gradients over the dp ranks
         for stage in self.stages:
             stage.reset_counters()
@@ -307,7 +307,7 @@ def main():
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
     # the scheduler counts optimizer steps, whatever the layout.
-    accelerator = make_accelerator(args, sharded="train_pp", step_scheduler_with_optimizer=False)
+    accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
     world = accelerator.num_processes
     if args.pp_size not in (-1, world):  # one strategy per file
         raise UsageError(
@@ -353,7 +353,7 @@ def main():
     # check_loss_is_a_sum (train_ddp.py, train_fsdp.py) is skipped: it runs the whole model on one rank,
     # and through a pipeline no rank holds it
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
-    stream = TrainStream(
+    feed = StepFeed(
         accelerator,
         train_loader,
         train_sampler,
@@ -363,7 +363,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    log = RunLog(accelerator, args, "train_pp", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_pp", progress["step"], layout.world_size, global_batch_size)
     n_stages = layout.pp * args.stages_per_rank
     ranges = stage_layers(n_units, n_stages, args.split_points)
     stage_list = ", ".join(f"{s}: units {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
@@ -373,44 +373,44 @@ def main():
         f"{args.n_microbatches} micro-batches of {args.batch_size // args.n_microbatches}"
     )
     bubble_line = f"bubble in theory: (p-1)/(v*m+p-1) = {bubble:.3f}; measured in the summary"
-    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(task, model_line, n_params, data, [pipeline_line, bubble_line, costs], resume_path, layout)
+    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
+    monitor.start(task, model_line, n_params, data, [pipeline_line, bubble_line, costs], resume_path, layout)
     pp_group = layout.group("pp")
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
-    while step < last_step and not stream.preempted:
-        log.step_start()
-        window, global_targets = stream.next_step()
-        with log.collectives():  # counts the first step's collectives
+    while step < last_step and not feed.preempted:
+        monitor.step_start()
+        micro_batches, global_targets = feed.next_step()
+        with monitor.collectives():  # counts the first step's collectives
             # PP: every micro-batch through every stage, forward and backward; the loss sum on the last stage only
-            loss_sum = pipeline(window, global_targets)
+            loss_sum = pipeline(micro_batches, global_targets)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # over the stages: the model's
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # PP: each rank updates its own units
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        log.step_end()
+        monitor.step_end()
 
-        if log.due(step, "train"):
+        if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
-        if log.due(step, "eval"):  # forward only, through the pipeline, with the training batch's shape
+            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+        if monitor.due(step, "eval"):  # forward only, through the pipeline, with the training batch's shape
             result = evaluate(
                 accelerator, model, task, data.validation, args.batch_size, layout, predict=pipeline.predict
             )
-            log.eval(step, result)
-        if log.due(step, "checkpoint") or stream.preempted:  # every rank writes its part (a collective)
-            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts)
-    stream.close()
+            monitor.eval(step, result)
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
+    feed.close()
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank: one rank per stage sends its units to the main process
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
-    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, log.first_step_collectives)
-    log.summary(step, preempted=stream.preempted, **costs, **pipeline.summary(args))
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
+    monitor.summary(step, preempted=feed.preempted, **costs, **pipeline.summary(args))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

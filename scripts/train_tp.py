@@ -58,10 +58,10 @@ from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunLog, evaluate, sharded_start_lines, sharded_summary
+from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
 from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
-from common.training import TrainStream, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
+from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 
 
 # ======================================== MODEL: the TP plan, {module name: style} (docs/your-model.md)
@@ -209,7 +209,7 @@ def tp_forward_backward(
     accelerator,
     model,
     task,
-    window: list,
+    micro_batches: list,
     global_targets: torch.Tensor,
     use_loss_parallel: bool,
     dp_size: int = 1,
@@ -220,9 +220,9 @@ def tp_forward_backward(
     counts it, layout.holds_loss), else zero. Normalised by the global batch's target count, times
     `dp_size` where a data-parallel part (FSDP, train_hybrid.py) averages gradients over dp ranks."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
-    for i, mb in enumerate(window):
+    for i, mb in enumerate(micro_batches):
         if isinstance(model, FSDPModule):  # data parallel beside TP (hybrid): one reduce-scatter, at the last
-            model.set_requires_gradient_sync(i == len(window) - 1)
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with (
             accelerator.autocast(),
             loss_parallel() if use_loss_parallel else nullcontext(),
@@ -319,7 +319,7 @@ def main():
     # On a machine without CUDA, make_accelerator passes Accelerator(cpu=True): without it, the N processes
     # of a torchrun-style launch would each train alone (docs/troubleshooting.md).
     # The scheduler counts optimizer steps, whatever the layout.
-    accelerator = make_accelerator(args, sharded="train_tp", step_scheduler_with_optimizer=False)
+    accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
     n = accelerator.num_processes
     layout = Layout.from_degrees(n, tp=args.tp_size, dp_shard=1 if args.tp_size == -1 else -1)  # TP: all ranks
     if layout.dp > 1:
@@ -371,7 +371,7 @@ def main():
     lp = loss_parallel() if args.loss_parallel else None  # TP: the loss on vocabulary shards
     check_loss_is_a_sum(task, model, data.validation, accelerator.device, lp)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
-    stream = TrainStream(
+    feed = StepFeed(
         accelerator,
         train_loader,
         train_sampler,
@@ -381,22 +381,22 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    log = RunLog(accelerator, args, "train_tp", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_tp", progress["step"], layout.world_size, global_batch_size)
     tp_lines, megatron = tp_start_lines(model, plan, layout, args, task.tokens_per_sample or 1)
-    costs = sharded_start_lines(model, layout, n_params, args.optimizer, accelerator)
-    log.start(task, model_line, n_params, data, [*tp_lines, costs], resume_path, layout)
+    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
+    monitor.start(task, model_line, n_params, data, [*tp_lines, costs], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     holds_loss = layout.holds_loss  # the ranks of a TP group hold the same loss sum: TP rank 0 counts it
     model.train()
-    while step < last_step and not stream.preempted:
-        log.step_start()
-        window, global_targets = stream.next_step()
-        with log.collectives():  # counts the first step's collectives
+    while step < last_step and not feed.preempted:
+        monitor.step_start()
+        micro_batches, global_targets = feed.next_step()
+        with monitor.collectives():  # counts the first step's collectives
             # TP: every layer's f/g collectives run inside forward and backward
             loss_sum = tp_forward_backward(
-                accelerator, model, task, window, global_targets, args.loss_parallel, counts_loss=holds_loss
+                accelerator, model, task, micro_batches, global_targets, args.loss_parallel, counts_loss=holds_loss
             )
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's
         lr = scheduler.get_last_lr()[0]
@@ -404,22 +404,22 @@ def main():
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        log.step_end()
+        monitor.step_end()
 
-        if log.due(step, "train"):
+        if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            log.train(step, loss, lr, grad_norm, epoch=stream.epoch)
-        if log.due(step, "eval"):  # each sample counted once, by TP rank 0 (layout.holds_loss)
-            log.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
-        if log.due(step, "checkpoint") or stream.preempted:  # every rank writes its part (a collective)
-            save_checkpoint(accelerator, args, step, stream, model, optimizer, scheduler, facts)
-    stream.close()
+            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+        if monitor.due(step, "eval"):  # each sample counted once, by TP rank 0 (layout.holds_loss)
+            monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
+    feed.close()
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank: gathers the shards
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
-    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, log.first_step_collectives)
-    log.summary(step, preempted=stream.preempted, **costs, **megatron)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
+    monitor.summary(step, preempted=feed.preempted, **costs, **megatron)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

@@ -213,13 +213,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
-    accelerator, args, step: int, stream, model, optimizer, scheduler, facts: dict, per_rank_state: bool = False
+    accelerator, args, step: int, feed, model, optimizer, scheduler, facts: dict, per_rank_state: bool = False
 ) -> Path:
-    """Collective: call on every rank. Saves the step, the data position (`stream.position()`) and
+    """Collective: call on every rank. Saves the step, the data position (`feed.position()`) and
     the run's `facts` (check_resume_and_output) beside the tensors. `per_rank_state`: every rank
     writes its whole model and optimizer state to state/rank_<r> (Local SGD, whose replicas differ
     between fusions)."""
-    state = {"step": step, **stream.position(), **facts}
+    state = {"step": step, **feed.position(), **facts}
     return write_checkpoint(
         accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last, per_rank_state
     )

@@ -12,7 +12,7 @@ class NothingToDo(Exception):
 
 
 class RunPosition:
-    """Where the run stands: the training loop's data stream (TrainStream) sets the optimizer
+    """Where the run stands: the training loop's data stream (StepFeed) sets the optimizer
     step it hands out; `launch.run_main` names it when a collective fails because a peer froze
     or died. One per process, module level: the failure surfaces far from the loop."""
 

@@ -121,7 +121,7 @@ def lost_peer_line(error: BaseException) -> str | None:
 def collective_waited_for(error: BaseException) -> str:
     """Which collective the process was waiting in, and where in our code, from the traceback: the
     innermost torch.distributed call; else backward (DDP's gradient all-reduce runs in C++ hooks);
-    else what TrainStream said it was waiting for (an asynchronous all-reduce's wait())."""
+    else what StepFeed said it was waiting for (an asynchronous all-reduce's wait())."""
     frames = traceback.extract_tb(error.__traceback__)
     scripts_dir = str(Path(__file__).resolve().parents[1])
     ours = [f for f in frames if f.filename.startswith(scripts_dir)]
@@ -325,7 +325,7 @@ def launcher_sharding() -> str | None:
     )
 
 
-def make_accelerator(args, cpu: bool | None = None, sharded: str | None = None, **accelerator_kwargs):
+def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **accelerator_kwargs):
     """The Accelerator, with the CPU traps handled:
     - "Several processes that each think they are alone" (docs/troubleshooting.md): a torchrun-style
       launch (`--multi_gpu`, MULTI_GPU config) on a machine without
@@ -360,7 +360,7 @@ def make_accelerator(args, cpu: bool | None = None, sharded: str | None = None, 
             "accelerate_configs/cpu_multi.yaml"
         )
     if sharded:
-        check_sharded_launch(accelerator, sharded)
+        check_sharded_launch(accelerator, Path(sys.argv[0]).name)
         init_one_process_group(accelerator)
     return accelerator
 
@@ -385,7 +385,7 @@ def init_restart_safe_group(use_cpu: bool, timeout: timedelta) -> None:
     )
 
 
-def check_sharded_launch(accelerator, name: str) -> None:
+def check_sharded_launch(accelerator, script: str) -> None:
     """A script that applies its strategy itself refuses a launch that also asks Accelerate for
     one (it would shard twice on GPUs, and be silently dropped on CPU: docs/troubleshooting.md,
     "Accelerate's FSDP config is ignored on CPU"), and fp16, whose loss scaler does not handle
@@ -393,7 +393,7 @@ def check_sharded_launch(accelerator, name: str) -> None:
     sharded = launcher_sharding()
     if sharded:
         raise UsageError(
-            f"{name}.py applies its strategy itself with PyTorch's APIs, but the launch also asked Accelerate for "
+            f"{script} applies its strategy itself with PyTorch's APIs, but the launch also asked Accelerate for "
             f"{sharded}: launch with a plain multi-process config, e.g. --config_file "
             "accelerate_configs/cpu_multi.yaml (or gpu_multi.yaml)"
         )

@@ -1,4 +1,4 @@
-"""What a run measures and writes: metrics.jsonl and the progress bar (RunLog), throughput,
+"""What a run measures and writes: metrics.jsonl and the progress bar (RunMonitor), throughput,
 MFU, peak memory, evaluation (replicated or sharded model), and the cost figures of the sharded
 strategies (bytes each rank holds, collectives of one step)."""
 
@@ -108,10 +108,11 @@ class Throughput:
         return {**self._figures(*self.total, world_size), "train_time_s": round(self.total[1], 2)}
 
 
-class RunLog:
-    """What the training loop writes, in one place: train/eval/summary records to metrics.jsonl
-    (main process), the same figures to Accelerate's trackers, the progress bar, and the
-    throughput over training-step time. It runs nothing: the loop stays in the script.
+class RunMonitor:
+    """Watches the run for the training loop, in one place: its cadence (which steps log, evaluate,
+    checkpoint), the step timers and throughput over training-step time, the first step's
+    collectives, the records of metrics.jsonl (main process), the same figures to Accelerate's
+    trackers, and the progress bar. It runs no training: the loop stays in the script.
 
     Without a terminal (a log file, a batch job) the bar redraws at most every 30 s instead of
     filling the log with carriage returns."""
@@ -123,7 +124,7 @@ class RunLog:
         config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers(name, config=config)  # Accelerate: trackers (--report_to)
         self.bar = self.layout = self.throughput = None  # start() makes them
-        self.first_step_collectives = {}  # collectives() fills it
+        self.first_step_collectives = None  # collectives() fills it; the summary reports it
         self._logged = False
         self.run_start = time.perf_counter()
         self.step, self._stretch_start = start_step, None
@@ -179,6 +180,8 @@ class RunLog:
         """Counts the collectives of the run's first step (forward and backward, every kind) for the
         summary; later steps run without the counter, and so does --compile (a dispatch mode stops it)."""
         first = self.step == self.start_step and not self.args.compile
+        if self.first_step_collectives is None:
+            self.first_step_collectives = {}  # stays empty under --compile
         with CollectiveCounter(enabled=first) as counter:
             yield
         if first:
@@ -276,6 +279,8 @@ class RunLog:
         self.bar.close()
         if preempted:
             figures["preempted"] = True
+        if self.first_step_collectives is not None:  # counted by collectives()
+            figures["collectives_first_step_rank0"] = self.first_step_collectives
         if self.args.compile:  # how many graphs torch.compile made (0: it compiled nothing)
             figures["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         summary = {
@@ -403,7 +408,7 @@ def ddp_state_bytes(n_params: int, optimizer_name: str) -> dict:
     }
 
 
-def sharded_start_lines(model, layout, n_params: int, optimizer_name: str, accelerator) -> str:
+def sharded_start_line(model, layout, n_params: int, optimizer_name: str, accelerator) -> str:
     """What each rank holds, printed at start beside DDP's figure. Collective (a gather)."""
     param_bytes = gather_max(accelerator, local_bytes(model.parameters()))
     per_state = 4 if optimizer_name == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
@@ -429,10 +434,10 @@ def replicated_summary(accelerator, n_params: int, allreduce_mib: float) -> dict
     }
 
 
-def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, model, optimizer, comm: dict) -> dict:
+def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, model, optimizer) -> dict:
     """The cost figures of a sharded run's summary: measured bytes per rank (largest rank)
-    against DDP's and the ideal split, and the first step's collectives (RunLog.collectives).
-    Collective (gathers)."""
+    against DDP's and the ideal split (the first step's collectives: RunMonitor.summary). Collective
+    (gathers)."""
     state_bytes = training_state_bytes(model, optimizer)
     measured = {
         k: gather_max(accelerator, state_bytes.get(k, 0))
@@ -450,7 +455,6 @@ def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, mod
         "ideal_state_bytes_per_rank": round(ideal),
         "state_vs_ideal": round(measured["total_bytes"] / ideal, 4),
         "unsharded_param_bytes": 4 * n_params,
-        "collectives_first_step_rank0": comm,
     }
 
 

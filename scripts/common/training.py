@@ -84,9 +84,12 @@ def make_scheduler(optimizer, args, min_ratio: float = 0.1) -> torch.optim.lr_sc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
-class TrainStream:
-    """The micro-batches of each optimizer step, epoch after epoch, with the target count of the
-    whole global batch, from a data position that does not depend on the layout.
+class StepFeed:
+    """Feeds each optimizer step what it needs, and nothing else does: (1) its micro-batches, epoch
+    after epoch, from a data position that does not depend on the layout; (2) the target count of
+    the whole global batch, an asynchronous all-reduce; (3) whether this is the last step, because
+    SIGTERM or Ctrl-C reached a rank (preemption): the request travels with the count, so every
+    rank learns it at the same step.
 
     The count needs an all-reduce over the data-parallel ranks. It is started one step ahead
     (asynchronously, for the step after the one handed out), so it never makes a step wait: a
@@ -149,9 +152,9 @@ class TrainStream:
         self.stop_requested = True
 
     def _fetch(self):
-        window = [next(self._batches) for _ in range(self.grad_accum)]
+        micro_batches = [next(self._batches) for _ in range(self.grad_accum)]
         device = self.accelerator.device
-        count = torch.as_tensor(sum(self.count_targets(mb) for mb in window), device=device).float().reshape(())
+        count = torch.as_tensor(sum(self.count_targets(mb) for mb in micro_batches), device=device).float().reshape(())
         stop = torch.tensor([float(self.stop_requested)], device=device)
         works = []
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
@@ -159,12 +162,12 @@ class TrainStream:
             works.append(torch.distributed.all_reduce(count, group=self.dp_group, async_op=True))
         if distributed:  # over every rank: all of them must stop at the same step
             works.append(torch.distributed.all_reduce(stop, async_op=True))
-        return window, count, stop, works
+        return micro_batches, count, stop, works
 
     def next_step(self) -> tuple[list, torch.Tensor]:
         """This rank's micro-batches of the next optimizer step, and the target count of the global
         batch."""
-        window, count, stop, works = self._next
+        micro_batches, count, stop, works = self._next
         self.step += 1
         RunPosition.step = self.step
         RunPosition.waiting = "all_reduce (the step's target count)"
@@ -176,7 +179,7 @@ class TrainStream:
         self.samples_in_epoch += self.global_batch_size
         if self.samples_in_epoch == self.samples_per_epoch:
             self.epoch, self.samples_in_epoch = self.epoch + 1, 0
-        return window, count
+        return micro_batches, count
 
     def close(self) -> None:
         """Let the count started for the step after the last one finish (before teardown), and give
