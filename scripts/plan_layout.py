@@ -46,7 +46,7 @@ from common.errors import UsageError
 from common.launch import HelpFormatter, run_main
 from common.layout import DIMS, FLAGS, Layout
 from common.metrics import ddp_state_bytes
-from common.model import GPT, MODEL_PRESETS, GPTConfig, count_parameters, flops_per_token
+from common.model import GPT, MODEL_PRESETS, GPTConfig, check_gpt_split, count_parameters, flops_per_token
 from common.pipeline import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -477,9 +477,9 @@ def layout_args(layout: Layout, args) -> argparse.Namespace:
 
 
 def why_invalid(layout: Layout, cfg: GPTConfig, args) -> str | None:
-    """The training scripts' own checks (layout.py, train_pp.py): None when the layout can run."""
+    """The training scripts' own checks (model.py, common/pipeline.py): None when the layout can run."""
     try:
-        layout.check_model(cfg, args.stages_per_rank)
+        check_gpt_split(cfg, layout.tp, layout.pp * args.stages_per_rank, args.stages_per_rank)
         if args.batch_size % args.n_microbatches:
             raise UsageError(
                 f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches}"

@@ -59,7 +59,7 @@ from common.errors import UsageError
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
 from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
-from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.model import check_gpt_split, context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
 from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 
@@ -119,7 +119,7 @@ def model_tp_plan(model: nn.Module, task, layout: Layout, sequence_parallel: boo
 
         check_tp_divides(model, layout.tp)
         return llama_tp_plan(model, sequence_parallel, loss_parallel)
-    layout.check_model(task.cfg)  # the GPTConfig: heads, MLP width (4 x n_embd) and vocabulary
+    check_gpt_split(task.cfg, layout.tp)  # the GPTConfig: TP divides heads, MLP width (4 x n_embd), vocabulary
     return tensor_parallel_plan(model, sequence_parallel, loss_parallel)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, TINY, free_port, job_env, launch_cmd, launch_tiny, run_cmd
+from conftest import SCRIPTS, TINY, free_port, job_env, launch, launch_cmd, launch_tiny, run_cmd
 
 
 def tree_digest(root: Path) -> str:
@@ -236,3 +236,14 @@ def test_sharded_script_refuses_an_accelerate_fsdp_launch(tmp_path, data_cache):
     )
     assert_refused(result, "also asked Accelerate for FSDP")
     assert not out.exists()
+
+
+def test_evaluate_names_a_model_of_your_own(tmp_path):
+    """evaluate.py rebuilds the built-in GPT and 🤗 models; a folder exported by a Task of the user's own
+    (its config.json names no known model) gets one line saying where that model is evaluated."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"task": "regression"}')
+    (model_dir / "model.safetensors").write_bytes(b"")
+    result = launch("evaluate.py", ["--model_dir", str(model_dir)], check=False)
+    assert_refused(result, "neither the built-in GPT's nor a 🤗 model's", "docs/your-model.md")

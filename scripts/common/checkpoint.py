@@ -329,6 +329,10 @@ def export_model(accelerator, model, task, data_source: dict, model_dir, layout=
     accelerator.wait_for_everyone()
 
 
+class _OwnModel(Exception):
+    """A model folder written by a Task of the user's own (its config.json names no known model)."""
+
+
 def load_exported(model_dir, data_task: str | None = None):
     """Load `model/` on CPU: returns the model, its Task and the data source it was trained on. A
     folder written by a 🤗 model (config.json with a model_type) loads with transformers, else GPT."""
@@ -342,6 +346,8 @@ def load_exported(model_dir, data_task: str | None = None):
             from .hf import load_exported_hf
 
             model, task = load_exported_hf(model_dir)
+        elif not {"n_layer", "n_head", "n_embd"} <= set(config):
+            raise _OwnModel(", ".join(config) or "empty")
         else:
             from safetensors.torch import load_file
 
@@ -349,6 +355,12 @@ def load_exported(model_dir, data_task: str | None = None):
             model = GPT(cfg)
             model.load_state_dict(load_file(str(model_dir / "model.safetensors")))
             task = GPTTask(cfg, cfg.block_size, "text")
+    except _OwnModel as e:
+        raise UsageError(
+            f"--model_dir {model_dir}: its config.json ({e}) is neither the built-in GPT's nor a 🤗 model's, so this "
+            "script cannot rebuild the model: a model of your own is evaluated by its training run (its Task's "
+            "evaluation, every --eval_every steps and at the end; docs/your-model.md)"
+        ) from None
     except Exception as e:
         raise UsageError(
             f"--model_dir {model_dir}: not a readable model directory "

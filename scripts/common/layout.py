@@ -27,7 +27,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import UsageError
-from .model import GPTConfig
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 FLAGS = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}
@@ -76,28 +75,6 @@ class Layout:
                 ": the degrees' product must equal the world size"
             )
         return cls(**degrees, world_size=world_size)
-
-    def check_model(self, cfg: GPTConfig, stages_per_rank: int = 1) -> None:
-        """What each degree must divide: TP splits heads, the MLP width and the vocabulary; PP
-        splits the layers."""
-        if self.tp > 1:
-            for what, size, fix in (
-                ("--n_head", cfg.n_head, "heads"),
-                ("the MLP width (4 x n_embd)", 4 * cfg.n_embd, "MLP columns"),
-                ("the vocabulary", cfg.vocab_size, "vocabulary rows"),
-            ):
-                if size % self.tp:
-                    raise UsageError(
-                        f"--tp_size {self.tp} does not divide {what} ({size})"
-                        f": every TP rank needs the same number of {fix}; use a --tp_size that divides {size}"
-                    )
-        n_stages = self.pp * stages_per_rank
-        if n_stages > cfg.n_layer:
-            raise UsageError(
-                f"--pp_size {self.pp} x --stages_per_rank {stages_per_rank} = {n_stages} stages"
-                f", but the model has {cfg.n_layer} layers"
-                ": every stage needs at least one layer (lower --pp_size or raise --n_layer)"
-            )
 
     @property
     def dp(self) -> int:

@@ -257,3 +257,25 @@ def language_model(args, data) -> tuple[nn.Module, CausalLMTask]:
         return load_hf_model(args, data.seq_len, data.task)
     cfg = gpt_config_from_args(args)
     return GPT(cfg), GPTTask(cfg, data.seq_len, data.task, args.model_size)
+
+
+def check_gpt_split(cfg: GPTConfig, tp: int = 1, n_stages: int = 1, stages_per_rank: int = 1) -> None:
+    """What the GPT's cuts must divide: TP splits the heads, the MLP width and the vocabulary; a
+    pipeline needs a layer per stage. One line each (UsageError)."""
+    if tp > 1:
+        for what, size, fix in (
+            ("--n_head", cfg.n_head, "heads"),
+            ("the MLP width (4 x n_embd)", 4 * cfg.n_embd, "MLP columns"),
+            ("the vocabulary", cfg.vocab_size, "vocabulary rows"),
+        ):
+            if size % tp:
+                raise UsageError(
+                    f"--tp_size {tp} does not divide {what} ({size})"
+                    f": every TP rank needs the same number of {fix}; use a --tp_size that divides {size}"
+                )
+    if n_stages > cfg.n_layer:
+        raise UsageError(
+            f"--pp_size {n_stages // stages_per_rank} x --stages_per_rank {stages_per_rank} = {n_stages} stages"
+            f", but the model has {cfg.n_layer} layers"
+            ": every stage needs at least one layer (lower --pp_size or raise --n_layer)"
+        )

@@ -8,7 +8,7 @@ fails: a diff no longer applies, or a figure is stale).
 It makes the example's copies as the page describes them, from the scripts as they are now: the data
 line (`data = load_data(...)`) becomes the synthetic data, the model line (`model, task =
 language_model(args, data)`, with the comment lines right above it) becomes the regression model, and
-in train_tp.py the built-in GPT's plan (`layout.check_model` and `return tensor_parallel_plan(...)`)
+in train_tp.py the built-in GPT's plan (`check_gpt_split` and `return tensor_parallel_plan(...)`)
 becomes the regression's. Then it writes `diff -u` of each copy into both pages, the +/- figures per
 section, and the line counts of the scripts and of common/. What the runs print (the start lines, the
 evaluations, the error lines) is not rewritten: run the copies to check those (the page says how)."""
@@ -46,7 +46,7 @@ PLAN = """    plan = {}
     return plan
 """
 GPT_PLAN = (
-    r"^    layout\.check_model\(task\.cfg\).*\n"
+    r"^    check_gpt_split\(task\.cfg, layout\.tp\).*\n"
     r"    return tensor_parallel_plan\(model, sequence_parallel, loss_parallel\)\n"
 )
 
