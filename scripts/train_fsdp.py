@@ -116,18 +116,14 @@ def main():
     dp_size = layout.dp  # FSDP: every rank is a data-parallel rank, holding 1/dp_shard of the model
     global_batch_size = args.batch_size * dp_size * grad_accum
     if args.cpu_offload and accelerator.device.type == "cpu":  # FSDP: nothing to offload to
-        raise UsageError(
-            "--cpu_offload moves state from the accelerator to CPU memory; this run is on the CPU: drop it"
-        )
+        raise UsageError("--cpu_offload moves state to CPU memory, but this run is already on the CPU: drop it")
 
     # ---------------------------------------- data (checked before anything is written)
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(
-        args.seed
-    )  # Accelerate: the same full model on every rank, before any strategy: init independent of layout
+    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     model, task = language_model(args, data)

@@ -208,7 +208,7 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
             ["--schedule", "1f1b", "--n_microbatches", "1", "--batch_size", "4"],
             ["--n_microbatches 1 is fewer than the 2 pipeline ranks"],
         ),
-        ("train_fsdp.py", 1, ["--cpu_offload"], ["--cpu_offload", "this run is on the CPU: drop it"]),
+        ("train_fsdp.py", 1, ["--cpu_offload"], ["--cpu_offload", "already on the CPU: drop it"]),
         ("train_hybrid.py", 1, ["--tp_size", "2", "--dp_shard", "1"], ["= 2, but 1 processes were started"]),
         (
             "train_hybrid.py",
