@@ -1,8 +1,6 @@
 """train_hybrid.py: DP x TP x PP on one device mesh, FSDP beside TP (--tp_size 1), a 🤗 model, and
 checkpoints that move between layouts."""
 
-import json
-
 import pytest
 
 from conftest import (
@@ -73,50 +71,6 @@ def test_tp_size_1_trains_fsdp_over_all_ranks(reference, tmp_path, data_cache):
     # one reduce-scatter per FSDP unit and root (no accumulation): every gradient once, at full size
     assert comm["reduce_scatter"]["calls"] == 1 + n_units
     assert comm["reduce_scatter"]["mib"] == pytest.approx(s["unsharded_param_bytes"] / 2**20, abs=1e-3)
-
-
-# a tiny 🤗 Llama (GQA: 2 key/value heads for 4 query heads), random init on the byte vocabulary
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
-
-
-@pytest.fixture(scope="module")
-def llama_config(tmp_path_factory):
-    """The config file, one for the module: the one-process reference runs once for both cases."""
-    path = tmp_path_factory.mktemp("hf_config") / "llama.json"
-    path.write_text(json.dumps(LLAMA))
-    return path
-
-
-@pytest.mark.parametrize(
-    "layout, batch, order",
-    [
-        ({"dp_shard": 2, "tp": 2}, "8", "tensor parallel -> FSDP"),
-        # the stages pass each rank's sequence slice on, wrapped again as a DTensor on the way in (sp_mesh)
-        ({"pp": 2, "tp": 2, "dp_shard": 1}, "16", "pipeline split -> tensor parallel"),
-    ],
-    ids=["fsdp2xtp2", "pp2xtp2"],
-)
-def test_hf_llama_matches_single_process(layout, batch, order, llama_config, reference, tmp_path, data_cache):
-    """A 🤗 Llama through the same composition, with sequence parallel (its residual stream stays a
-    DTensor): its TP plan (common/hf.py) under FSDP over its decoder layers, or split into pipeline
-    stages; the one-process train_ddp.py run with the same --model_config within 1e-5."""
-    flags = ["--model_config", str(llama_config), *FLAGS[2:]]  # no --n_layer: the config has the layers
-    out = tmp_path / "hybrid"
-    result = run_layout(4, layout, [*flags, "--batch_size", batch, "--sequence_parallel"], out, data_cache)
-    assert "model llama (🤗 transformers, from config llama.json)" in result.stdout
-    assert f"  order: {order}\n" in result.stdout
-    ref = reference(*flags, "--batch_size", "16")
-    assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
-    assert_same_evals(ref, out)
-    assert (out / "model" / "config.json").is_file() and (out / "model" / "model.safetensors").is_file()
 
 
 def _flags(batch: int, data_cache: str, *extra: str) -> list[str]:
