@@ -247,3 +247,20 @@ def test_evaluate_names_a_model_of_your_own(tmp_path):
     (model_dir / "model.safetensors").write_bytes(b"")
     result = launch("evaluate.py", ["--model_dir", str(model_dir)], check=False)
     assert_refused(result, "neither the built-in GPT's nor a 🤗 model's", "docs/your-model.md")
+
+
+def test_a_model_without_the_unit_container_is_refused(tmp_path, data_cache):
+    """A copy of train_fsdp.py whose MODEL section builds a model of its own but keeps the GPT's Task:
+    one line naming what was looked for (`blocks`), what the model has, and where to change it."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    shutil.copytree(SCRIPTS / "common", scripts / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    text = (SCRIPTS / "train_fsdp.py").read_text()
+    old = "    model, task = language_model(args, data)\n"
+    assert text.count(old) == 1
+    own = "    model, task = torch.nn.Sequential(torch.nn.Linear(8, 8)), language_model(args, data)[1]\n"
+    (scripts / "train_fsdp.py").write_text(text.replace(old, own))
+    cmd = [sys.executable, str(scripts / "train_fsdp.py"), *TINY, "--data_cache_dir", data_cache]
+    result = run_cmd([*cmd, "--output_dir", str(tmp_path / "run")])
+    assert_refused(result, "the model (Sequential) has no 'blocks'", "its children are: 0", "MODEL section")
+    assert not (tmp_path / "run").exists()  # refused before anything was written
