@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
-from common.hf import HFPipelineStage, drop_for_stage
+from common.hf import HFStage, drop_for_stage
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
 from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
@@ -74,12 +74,12 @@ def tp_stage_modules(model, stages: list, sp_mesh=None) -> list:
     (`sp_mesh`: the TP mesh) the activations between blocks are cut over the sequence, and each rank sends
     the next stage its slice, a plain tensor. The GPT's blocks take the slice as it comes (its plan's local
     outputs); a 🤗 model's stage wraps it again as a Shard(1) DTensor, since 🤗 reads the positions, rotary
-    cos/sin and mask off the full length (HFPipelineStage's sp_mesh)."""
+    cos/sin and mask off the full length (HFStage's sp_mesh)."""
     if sp_mesh is None or isinstance(model, GPT):
         return stage_modules(model, stages)
     first, last = any(is_first for _, is_first, _ in stages), any(is_last for _, _, is_last in stages)
     drop_for_stage(model, {i for units, _, _ in stages for i in units}, first, last)
-    return [HFPipelineStage(model, units, is_first, is_last, sp_mesh) for units, is_first, is_last in stages]
+    return [HFStage(model, units, is_first, is_last, sp_mesh) for units, is_first, is_last in stages]
 
 
 def main():

@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
-from common.hf import HFPipelineStage, drop_for_stage
+from common.hf import HFStage, drop_for_stage
 from common.launch import build_parser, check_core_args, make_accelerator, run_main
 from common.layout import Layout
 from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
@@ -88,7 +88,7 @@ def stage_modules(model: nn.Module, stages: list[tuple[range, bool, bool]]) -> l
             model.ln_f = model.lm_head = None
         return [GPTStage(model, units, first, last) for units, first, last in stages]
     drop_for_stage(model, {i for units, _, _ in stages for i in units}, holds_first, holds_last)
-    return [HFPipelineStage(model, units, first, last) for units, first, last in stages]
+    return [HFStage(model, units, first, last) for units, first, last in stages]
 
 
 # ======================================== PP: the strategy

@@ -20,7 +20,7 @@ from conftest import SCRIPTS, free_port, job_env, run_cmd
 sys.path.insert(0, str(SCRIPTS))
 from common.errors import UsageError
 from common.hf import (
-    HFPipelineStage,
+    HFStage,
     check_tp_divides,
     drop_for_stage,
     hf_context_length,
@@ -285,8 +285,8 @@ def test_two_pipeline_stages_give_the_model_logits(configs, family):
     names0, names1 = ({n for n, _ in m.named_parameters()} for m in (first, last))
     assert names0 | names1 == full_names and not names0 & names1
     assert "model.layers.1.mlp.up_proj.weight" in names1
-    stage0 = HFPipelineStage(first, [0], is_first=True, is_last=False)
-    stage1 = HFPipelineStage(last, [1], is_first=False, is_last=True)
+    stage0 = HFStage(first, [0], is_first=True, is_last=False)
+    stage1 = HFStage(last, [1], is_first=False, is_last=True)
     hidden = stage0(ids)
     assert hidden.shape == (2, SEQ, 64)
     logits = stage1(hidden)
@@ -365,7 +365,7 @@ def test_tp_plan_on_two_ranks_matches_the_unsplit_model(tmp_path):
 
 def tp_worker(config_dir: Path, out: Path) -> None:
     """On each of 2 ranks: every family x (sequence parallel, loss parallel): loss and every gradient of
-    the TP-split model against the unsplit one; and with SP, a 2-stage chain of HFPipelineStages over the
+    the TP-split model against the unsplit one; and with SP, a 2-stage chain of HFStages over the
     split model (activations cross as sequence slices) against the unsplit logits."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -406,8 +406,8 @@ def tp_worker(config_dir: Path, out: Path) -> None:
         # pipeline stages over a TP + SP model, on this TP group (both stages on every rank)
         model = copy.deepcopy(pristine)
         parallelize_module(model, mesh, llama_tp_plan(model, sequence_parallel=True, loss_parallel=False))
-        stage0 = HFPipelineStage(model, [0], is_first=True, is_last=False, sp_mesh=mesh)
-        stage1 = HFPipelineStage(model, [1], is_first=False, is_last=True, sp_mesh=mesh)
+        stage0 = HFStage(model, [0], is_first=True, is_last=False, sp_mesh=mesh)
+        stage1 = HFStage(model, [1], is_first=False, is_last=True, sp_mesh=mesh)
         hidden = stage0(ids)
         assert not isinstance(hidden, DTensor) and hidden.shape == (2, SEQ // 2, 64)  # this rank's slice
         with torch.no_grad():

@@ -527,7 +527,7 @@ def drop_for_stage(model: nn.Module, keep_layers: set[int], is_first: bool, is_l
         model.lm_head = None
 
 
-class HFPipelineStage(nn.Module):
+class HFStage(nn.Module):
     """One pipeline stage of a Llama-family 🤗 model: a view onto some of its layers (it owns nothing, so
     parameter names and checkpoints are the model's). Input: token ids on the first stage, hidden states
     (batch, seq, hidden) after; output: hidden states, or logits on the last stage.
