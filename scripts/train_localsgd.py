@@ -1,19 +1,28 @@
 #!/usr/bin/env python
-"""Local SGD: train apart, fuse by averaging the parameters every K steps (🤗 Accelerate's LocalSGD).
+"""Local SGD and DiLoCo: train apart, fuse the replicas every K steps.
 
 DDP all-reduces the gradients at every step. Local SGD lets every rank take K optimizer steps
-on its own data without talking to anyone, then averages the parameters once:
+on its own data without talking to anyone, then fuses the replicas once:
 
-    rank 0:  step step step step | average the | step step step step | average ...
-    rank 1:  step step step step | parameters  | step step step step |
-             <--- K local steps, no communication --->  one all-reduce of 4Ψ bytes (K x fewer than DDP)
+    rank 0:  step step step step | fuse the  | step step step step | fuse ...
+    rank 1:  step step step step | replicas  | step step step step |
+             <--- K local steps, no communication --->  one all-reduce (K x fewer bytes than DDP)
 
-What is averaged: the parameters, and nothing else. Each rank keeps its own optimizer state
-(Adam moments drift apart between fusions and are never reconciled); buffers are not averaged (the
-built-in model has none). What follows: with plain SGD, no clipping and K = 1 this IS data parallelism
-(averaging the parameters after a linear update equals averaging the gradients); with Adam, or K > 1, the
-replicas wander apart between fusions and the fused model is an average of K-step-apart models:
-less communication, bought with some accuracy per step (benchmarks/bench_localsgd.py measures it).
+Two ways to fuse (--outer_optimizer):
+- `average` (Local SGD; 🤗 Accelerate's LocalSGD): the parameters become their average over the ranks.
+- `nesterov` (DiLoCo, Douillard et al. 2023): the change since the last fusion is a pseudo-gradient,
+      Δ = θ_last − θ_rank,   averaged over the ranks,   θ_last ← OuterSGD(θ_last, mean Δ),
+  an SGD step with Nesterov momentum (--outer_lr 0.7, --outer_momentum 0.9), and every rank continues
+  from the new θ_last. `average` is the special case lr 1, momentum 0. θ_last is kept in CPU memory.
+Streaming DiLoCo (--fragments F) fuses the blocks in F fragments, fragment f at the steps ≡ f·K/F
+(mod K): the same bytes, spread over time, so the peak bandwidth is F times lower; --outer_dtype bf16
+halves the bytes of the pseudo-gradient all-reduce. Each fusion is ONE all-reduce of a flat buffer.
+
+What is fused: the parameters, and nothing else. Each rank keeps its own inner (AdamW) optimizer state;
+buffers are not fused (the built-in model has none). With plain SGD, no clipping and K = 1, `average`
+IS data parallelism (averaging the parameters after a linear update equals averaging the gradients);
+with Adam, or K > 1, the replicas wander apart between fusions: less communication, bought with some
+accuracy per step (benchmarks/bench_localsgd.py measures it).
 
 Each rank divides its loss sum by the target count of the whole global batch, as DDP does: the
 count travels one step ahead in a small asynchronous all-reduce that no step waits for. Dividing
@@ -24,9 +33,12 @@ with K = 1 differs from DDP").
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_localsgd.py \\
         --sync_every 8 --save_rank_models
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_localsgd.py \\
+        --outer_optimizer nesterov --sync_every 32 --fragments 2
     python scripts/merge_checkpoints.py runs/localsgd/rank_models/rank_0 runs/localsgd/rank_models/rank_1 \\
         --out runs/fused/model
-Lines marked `# Accelerate:` are the library's part; `# Local SGD:` marks what differs from train_ddp.py.
+Lines marked `# Accelerate:` are the library's part; `# Local SGD:` marks what differs from train_ddp.py,
+`# DiLoCo:` what the outer optimizer and the fragments add.
 """
 
 import sys
@@ -36,25 +48,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 from accelerate import DistributedType
-from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.checkpoint import (
+    check_resume_and_output,
+    export_model,
+    load_checkpoint,
+    load_extra_state,
+    save_checkpoint,
+)
 from common.data import data_source, load_data, make_train_loader
 from common.errors import UsageError
 from common.launch import build_parser, check_core_args, launcher_sharding, make_accelerator, run_main
-from common.metrics import RunMonitor, evaluate, replicated_summary, ring_allreduce_bytes
+from common.metrics import CollectiveCounter, RunMonitor, evaluate, replicated_summary, ring_allreduce_bytes
 from common.model import context_length, count_parameters, language_model, tokenizer_for
 from common.task import check_loss_is_a_sum
-from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
 
 
-# ======================================== Local SGD: the strategy
+# ======================================== Local SGD and DiLoCo: the strategy
 def local_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The gradients stay
-    local (LocalSGD keeps DDP in no_sync). The loss is normalised by the target count of the whole
-    global batch (all micro-batches, all ranks), as in train_ddp.py, and multiplied by dp_size
-    because the fusion averages the replicas: K = 1 with plain SGD is then DDP."""
+    local (DDP is kept in no_sync). The loss is normalised by the target count of the whole global
+    batch (all micro-batches, all ranks), as in train_ddp.py, and multiplied by dp_size because the
+    fusion averages the replicas: K = 1 with plain SGD is then DDP."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         loss_sum, _ = task.loss_of(model, mb)
@@ -63,22 +80,169 @@ def local_forward_backward(accelerator, model, task, micro_batches: list, global
     return step_loss_sum
 
 
-def parameter_fingerprint(model) -> torch.Tensor:
+def split_fragments(model, units: list, n_fragments: int) -> list[list[torch.nn.Parameter]]:
+    """Streaming DiLoCo's fragments: the units (blocks) cut into n_fragments runs of consecutive
+    blocks. The parameters outside every block join the nearest end: those the model registers before
+    its blocks (embeddings) the first fragment, those after them (final norm, head) the last."""
+    bounds = [round(f * len(units) / n_fragments) for f in range(n_fragments + 1)]
+    fragments = [[p for u in units[a:b] for p in u.parameters()] for a, b in zip(bounds, bounds[1:])]
+    in_units = {id(p) for fragment in fragments for p in fragment}
+    before, after, seen_units = [], [], False
+    for p in model.parameters():
+        if id(p) in in_units:
+            seen_units = True
+        else:
+            (after if seen_units else before).append(p)
+    fragments[0] = before + fragments[0]
+    fragments[-1] = fragments[-1] + after
+    return fragments
+
+
+class ModelFusion:
+    """Fuses the replicas: fragment f at the steps ≡ f·K/F (mod K), each fusion ONE all-reduce of
+    a flat buffer of the fragment (Accelerate's LocalSGD makes one all-reduce per tensor).
+
+    average:   θ ← mean_r θ_r                                  (Local SGD)
+    nesterov:  Δ = θ_last − θ_r;  θ_last ← OuterSGD(θ_last, mean_r Δ);  θ_r ← θ_last   (DiLoCo)
+
+    Every rank computes the same outer step from the same mean Δ, so θ_last and the outer momentum
+    are the same everywhere: state_dict() is saved once, by the main process."""
+
+    def __init__(self, model, fragments, sync_every, dp_size, outer_optimizer, outer_lr, outer_momentum, outer_dtype):
+        self.fragments, self.sync_every, self.dp_size = fragments, sync_every, dp_size
+        name_of = {id(p): name.removeprefix("module.") for name, p in model.named_parameters()}
+        self.names = [[name_of[id(p)] for p in fragment] for fragment in fragments]  # saved with θ_last
+        self.outer_optimizer, self.outer_dtype = outer_optimizer, outer_dtype
+        self.settings = {"outer_optimizer": outer_optimizer, "sync_every": sync_every, "fragments": len(fragments)}
+        self.offsets = [f * sync_every // len(fragments) for f in range(len(fragments))]
+        self.last_fused = [0] * len(fragments)  # the step of each fragment's last fusion
+        self.fusions = [0] * len(fragments)  # this run's fusions of each fragment
+        self.fragment_mib = [ring_allreduce_bytes(self.nbytes(fr), dp_size) / 2**20 for fr in fragments]
+        self.counter = CollectiveCounter()  # the all-reduces the fusions really make, and their buffers
+        if outer_optimizer == "nesterov":
+            # DiLoCo: θ_last, the parameters at the last fusion, in CPU memory (they wait K steps there)
+            self.last = [[p.detach().to("cpu", torch.float32, copy=True) for p in fr] for fr in fragments]
+            self.outer = [  # DiLoCo: one outer SGD per fragment (momentum 0: plain SGD; Nesterov needs momentum)
+                torch.optim.SGD(last, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+                for last in self.last
+            ]
+
+    def nbytes(self, fragment) -> int:
+        """Bytes of the fragment's all-reduce buffer."""
+        return sum(p.numel() for p in fragment) * torch.empty((), dtype=self.outer_dtype).element_size()
+
+    def due(self, step: int) -> list[int]:
+        """The fragments fused after optimizer step `step` (1-based)."""
+        if self.dp_size == 1 and self.outer_optimizer == "average":
+            return []  # one replica: nothing to average
+        return [f for f, offset in enumerate(self.offsets) if step % self.sync_every == offset]
+
+    @torch.no_grad()
+    def fuse(self, fragment: int, step: int) -> None:
+        """Collective: every rank fuses the same fragment at the same step."""
+        params = self.fragments[fragment]
+        with self.counter:
+            if self.outer_optimizer == "average":  # Local SGD: the parameters themselves, averaged
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+                self.all_reduce_mean(flat)
+                new = flat
+            else:  # DiLoCo: the pseudo-gradient Δ = θ_last − θ_rank, averaged, steps θ_last
+                last = self.last[fragment]
+                device = params[0].device
+                delta = torch.cat([(t.to(device) - p.detach()).reshape(-1) for t, p in zip(last, params)])
+                mean_delta = self.all_reduce_mean(delta.to(self.outer_dtype)).float().cpu()
+                for t, g in zip(last, mean_delta.split([t.numel() for t in last])):
+                    t.grad = g.view_as(t)
+                self.outer[fragment].step()  # DiLoCo: the outer SGD (Nesterov) step on θ_last
+                new = torch.cat([t.reshape(-1) for t in last]).to(device)
+        for p, value in zip(params, new.split([p.numel() for p in params])):
+            p.copy_(value.view_as(p))  # every rank continues from the fused parameters
+        self.last_fused[fragment] = step
+        self.fusions[fragment] += 1
+
+    def all_reduce_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(flat)  # Local SGD: ONE all-reduce (sum) of the flat buffer
+            flat /= self.dp_size
+        return flat
+
+    def after_step(self, step: int) -> list[int]:
+        """Fuses the fragments due after `step`; returns them."""
+        fused = self.due(step)
+        for f in fused:
+            self.fuse(f, step)
+        return fused
+
+    def finish(self, step: int) -> list[int]:
+        """The final fusion: every fragment not fused at `step` (the last step) is fused now."""
+        if self.dp_size == 1 and self.outer_optimizer == "average":
+            return []
+        rest = [f for f, last in enumerate(self.last_fused) if last != step]
+        for f in rest:
+            self.fuse(f, step)
+        return rest
+
+    def state_dict(self) -> dict:
+        state = {"settings": self.settings, "last_fused": self.last_fused}
+        if self.outer_optimizer == "nesterov":
+            state |= {"names": self.names, "last": self.last, "outer": [opt.state_dict() for opt in self.outer]}
+        return state
+
+    def load_state_dict(self, state: dict | None, path) -> None:
+        """Restores θ_last and the outer momentum; refuses a checkpoint of other fusion settings."""
+        saved = (state or {}).get("settings", {"outer_optimizer": "average", "sync_every": None, "fragments": 1})
+        differ = [k for k in self.settings if saved[k] is not None and saved[k] != self.settings[k]]
+        if differ:
+            flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
+            raise UsageError(
+                f"--resume_from_checkpoint {path}: saved with {flags}; resume with the same flags (the outer state "
+                "and the fusion steps depend on them)"
+            )
+        if state is not None:
+            self.last_fused = list(state["last_fused"])
+        if self.outer_optimizer == "nesterov":
+            for mine, saved_last in zip(self.last, state["last"]):
+                for t, s in zip(mine, saved_last):
+                    t.copy_(s)
+            for opt, opt_state in zip(self.outer, state["outer"]):
+                opt.load_state_dict(opt_state)
+
+    def report(self, steps: int) -> dict:
+        """What the summary records: the fusions and the bytes they moved (measured calls and buffers;
+        per rank by the ring formula)."""
+        fused_mib = sum(self.fragment_mib[f] * n for f, n in enumerate(self.fusions))
+        counted = self.counter.report().get("all_reduce", {"calls": 0, "mib": 0.0})
+        return {
+            "fusions": sum(self.fusions),
+            "fusions_per_fragment": self.fusions,
+            "fusion_allreduce_calls": counted["calls"],
+            "fusion_allreduce_buffer_mib": round(counted["mib"], 4),
+            "fusion_mib_per_rank": round(fused_mib, 4),
+            "peak_fusion_mib_per_rank": round(max(self.fragment_mib), 4),
+            "allreduce_mib_per_step_per_rank": round(fused_mib / max(1, steps), 5),
+        }
+
+
+def parameter_fingerprint(params) -> torch.Tensor:
     """One number that differs when any parameter differs (a position-weighted sum, in float64)."""
-    return sum((i + 1) * p.detach().double().sum() for i, p in enumerate(model.parameters()))
+    return sum((i + 1) * p.detach().double().sum() for i, p in enumerate(params))
 
 
-def replica_spread(accelerator, model) -> float:
-    """How far apart the replicas are: the spread of their fingerprints over the ranks, 0 right
-    after a fusion. Collective."""
-    fingerprints = accelerator.gather(parameter_fingerprint(model).reshape(1))  # Accelerate: all-gather
-    return (fingerprints.max() - fingerprints.min()).item()
+def replica_spread(accelerator, fragments) -> list[float]:
+    """How far apart the replicas are, per fragment: the spread of their fingerprints over the ranks,
+    0 right after the fragment's fusion. Collective (one all-gather)."""
+    fingerprints = torch.stack([parameter_fingerprint(fr) for fr in fragments]).to(accelerator.device)
+    gathered = accelerator.gather(fingerprints.reshape(1, -1))  # Accelerate: all-gather
+    return (gathered.max(0).values - gathered.min(0).values).tolist()
 
 
-def replicas(accelerator, model, step: int, sync_every: int) -> dict:
-    """What a train record adds: whether `step` ended with a fusion, and the replicas' spread."""
-    fused = accelerator.num_processes > 1 and step % sync_every == 0
-    return {"fused": fused, "param_spread": replica_spread(accelerator, model)}
+def replicas(accelerator, fusion: ModelFusion, fused: list[int]) -> dict:
+    """What a train record adds: whether the step ended with a fusion (which fragments), and the spread."""
+    spread = replica_spread(accelerator, fusion.fragments)
+    record = {"fused": bool(fused), "param_spread": max(spread)}
+    if len(fusion.fragments) > 1:
+        record |= {"fused_fragments": fused, "fragment_spread": spread}
+    return record
 
 
 def main():
@@ -87,6 +251,30 @@ def main():
     g = parser.add_argument_group("Local SGD")
     g.add_argument(
         "--sync_every", type=int, default=8, help="average the parameters every K optimizer steps (and at the end)"
+    )
+    g.add_argument(
+        "--outer_optimizer",
+        choices=["average", "nesterov"],
+        default="average",
+        help="how a fusion combines the replicas: average the parameters (Local SGD), or an outer SGD step with "
+        "Nesterov momentum on the averaged pseudo-gradient (DiLoCo)",
+    )
+    g.add_argument("--outer_lr", type=float, default=0.7, help="DiLoCo: the outer SGD's learning rate")
+    g.add_argument(
+        "--outer_momentum", type=float, default=0.9, help="DiLoCo: the outer SGD's Nesterov momentum (0: none)"
+    )
+    g.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="Streaming DiLoCo: fuse the blocks in F fragments, fragment f at the steps = f*K/F (mod K); "
+        "F must divide K and be at most the number of blocks",
+    )
+    g.add_argument(
+        "--outer_dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="dtype of the pseudo-gradient all-reduce (bf16: half the bytes; needs --outer_optimizer nesterov)",
     )
     g.add_argument(
         "--save_rank_models",
@@ -100,6 +288,21 @@ def main():
     if args.sync_every < 1:
         raise UsageError(
             f"--sync_every must be at least 1 (got {args.sync_every}): the number of local steps between two fusions"
+        )
+    if args.fragments < 1 or args.sync_every % args.fragments:
+        raise UsageError(
+            f"--fragments {args.fragments} must divide --sync_every {args.sync_every}: fragment f is fused at the "
+            "steps = f*K/F (mod K); pick F among the divisors of K"
+        )
+    if args.outer_optimizer == "nesterov" and (args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1):
+        raise UsageError(
+            f"--outer_lr {args.outer_lr} / --outer_momentum {args.outer_momentum}: the outer learning rate must be "
+            "above 0 and the momentum in [0, 1) (DiLoCo uses 0.7 and 0.9)"
+        )
+    if args.outer_dtype == "bf16" and args.outer_optimizer == "average":
+        raise UsageError(
+            "--outer_dtype bf16 needs --outer_optimizer nesterov: average sends the parameters themselves, and bf16 "
+            "would round them to 3 digits; DiLoCo sends the small pseudo-gradient"
         )
     grad_accum = args.gradient_accumulation_steps
 
@@ -150,18 +353,34 @@ def main():
     scheduler = make_scheduler(optimizer, args)
     train_sampler = train_loader.sampler
 
-    # ---------------------------------------- Local SGD: the strategy
-    # Accelerate: wraps the model in DistributedDataParallel (kept in no_sync by LocalSGD below),
-    # moves everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
+    # ---------------------------------------- Local SGD and DiLoCo: the strategy
+    units = unit_modules(task.units(model))  # the blocks: Streaming DiLoCo's fragments are runs of them
+    if args.fragments > len(units):
+        raise UsageError(
+            f"--fragments {args.fragments}: the model has {len(units)} blocks, and a fragment holds at least one; "
+            f"use --fragments {len(units)} or fewer"
+        )
+    fragments = split_fragments(model, units, args.fragments)
+    # Accelerate: wraps the model in DistributedDataParallel (kept in no_sync below), moves everything to
+    # the device, and shards the loader: rank r takes every dp_size-th micro-batch.
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    # Local SGD: LocalSGD keeps DDP in no_sync() from here on (no gradient all-reduce), averages the parameters
-    # in local_sgd.step() every K steps, and once more in local_sgd.__exit__(), after the loop.
-    local_sgd = LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=args.sync_every, enabled=dp_size > 1)
-    local_sgd.__enter__()
+    no_sync = accelerator.no_sync(model)  # Local SGD: DDP never all-reduces the gradients from here on
+    no_sync.__enter__()
+    fusion = ModelFusion(  # DiLoCo: after prepare, so θ_last is taken from the parameters every rank starts from
+        model,
+        fragments,
+        args.sync_every,
+        dp_size,
+        args.outer_optimizer,
+        args.outer_lr,
+        args.outer_momentum,
+        torch.bfloat16 if args.outer_dtype == "bf16" else torch.float32,
+    )
 
     check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
-    local_sgd.num_steps = progress["step"]  # Local SGD: a resumed run fuses at the same steps as an uninterrupted one
+    if resume_path:  # DiLoCo: θ_last and the outer momentum, as the checkpoint left them
+        fusion.load_state_dict(load_extra_state(resume_path), resume_path)
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -172,10 +391,14 @@ def main():
         task.count_targets,
     )
     monitor = RunMonitor(accelerator, args, "train_localsgd", progress["step"], dp_size, global_batch_size)
-    fusion_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 parameters, once per fusion
-    fusion_line = f"Local SGD: fusing every {args.sync_every} steps; {fusion_mib:.1f} MiB per fusion and rank"
-    per_step = f"{fusion_mib / args.sync_every:.2f} MiB per step (DDP: {fusion_mib:.1f} MiB per step)"
-    monitor.start(task, model_line, n_params, data, [f"{fusion_line} = {per_step}"], resume_path)
+    ddp_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # DDP: fp32 gradients, every step
+    method = "DiLoCo" if args.outer_optimizer == "nesterov" else "Local SGD"
+    where = f" in {args.fragments} fragments, each" if args.fragments > 1 else ""
+    fusion_line = (
+        f"{method}: fusing every {args.sync_every} steps{where}; {max(fusion.fragment_mib):.2f} MiB per fusion and "
+        f"rank = {sum(fusion.fragment_mib) / args.sync_every:.3f} MiB per step (DDP: {ddp_mib:.2f} MiB per step)"
+    )
+    monitor.start(task, model_line, n_params, data, [fusion_line], resume_path)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
@@ -190,21 +413,19 @@ def main():
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        local_sgd.step()  # Local SGD: every sync_every-th step, average the parameters over the ranks
         step += 1
+        fused = fusion.after_step(step)  # Local SGD / DiLoCo: the fragments due at this step are fused
         monitor.step_end()
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            fusion = replicas(accelerator, model, step, args.sync_every)  # Local SGD: fused? how far apart?
-            monitor.train(step, loss, lr, grad_norm, **fusion, epoch=feed.epoch)
+            monitor.train(step, loss, lr, grad_norm, **replicas(accelerator, fusion, fused), epoch=feed.epoch)
         if monitor.due(step, "eval") and step < args.max_steps:  # Local SGD: the last one scores the fused model
             # between fusions each rank scores its share of the samples with its own replica
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
-        if (
-            monitor.due(step, "checkpoint") or feed.preempted
-        ):  # Local SGD: the replicas differ: every rank saves its own
-            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts, per_rank_state=True)
+        if monitor.due(step, "checkpoint") or feed.preempted:  # the replicas differ: every rank saves its own
+            state = fusion.state_dict()  # DiLoCo: θ_last and the outer momentum, the same on every rank
+            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts, True, extra_state=state)
     feed.close()
 
     # ---------------------------------------- save
@@ -212,33 +433,31 @@ def main():
         local_state = {k.removeprefix("module."): v.detach().cpu() for k, v in model.state_dict().items()}
         rank_dir = Path(args.output_dir) / "rank_models" / f"rank_{accelerator.process_index}"
         task.export(local_state, rank_dir, data_source(args))
-    local_sgd.__exit__(None, None, None)  # Local SGD: the final fusion (it waits for every rank); DDP leaves no_sync
-    start_step, sync_every = progress["step"], args.sync_every
-    # Local SGD: the fusions of this run: at the multiples of K, and the last one unless it fell on one
-    fusions = step // sync_every - start_step // sync_every + (step % sync_every != 0) if dp_size > 1 else 0
     if step == args.max_steps:  # every rank: the main process writes
+        fusion.finish(step)  # Local SGD / DiLoCo: the final fusion of every fragment not fused at this step
         result = evaluate(accelerator, model, task, data.validation, args.eval_batch_size)
-        monitor.eval(step, result, fused_model=True, param_spread=replica_spread(accelerator, model))
+        spread = max(replica_spread(accelerator, fusion.fragments))
+        monitor.eval(step, result, fused_model=True, param_spread=spread)
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")  # the fused model
-    n_tensors = len(list(model.parameters()))
+    no_sync.__exit__(None, None, None)
     costs = replicated_summary(accelerator, n_params, 0.0)  # no gradient all-reduce: parameters, once per fusion
     monitor.summary(
         step,
         preempted=feed.preempted,
         **costs,
-        sync_every=sync_every,
-        fusions=fusions,
-        param_allreduce_calls=fusions * n_tensors,
-        param_allreduce_mib_per_rank=round(fusions * fusion_mib, 3),
-        allreduce_mib_per_step_per_rank=round(fusions * fusion_mib / max(1, step - start_step), 4),
-        ddp_allreduce_mib_per_step_per_rank=round(fusion_mib, 4) if dp_size > 1 else 0.0,
+        sync_every=args.sync_every,
+        outer_optimizer=args.outer_optimizer,
+        fragments=args.fragments,
+        outer_dtype=args.outer_dtype,
+        **fusion.report(step - progress["step"]),
+        ddp_allreduce_mib_per_step_per_rank=round(ddp_mib, 4) if dp_size > 1 else 0.0,
     )
     if args.save_rank_models and step == args.max_steps:
         accelerator.print(
             f"each rank's model before the final fusion: {Path(args.output_dir) / 'rank_models'}/rank_<r> "
             "(fuse them with scripts/merge_checkpoints.py)"
         )
-    del model, optimizer, scheduler, train_loader, feed, local_sgd  # free DDP's wrapper while every peer is there
+    del model, optimizer, scheduler, train_loader, feed, fusion  # free DDP's wrapper while every peer is there
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

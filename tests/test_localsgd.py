@@ -1,9 +1,10 @@
-"""train_localsgd.py and merge_checkpoints.py: real 2-process CPU launches."""
+"""train_localsgd.py (Local SGD, DiLoCo, Streaming DiLoCo) and merge_checkpoints.py: real 2-process CPU launches."""
 
 import json
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import (
@@ -19,19 +20,40 @@ from conftest import (
     train_losses,
 )
 
-# one xdist worker runs these tests: its module fixture launches the run that most of its tests check
-pytestmark = pytest.mark.xdist_group("localsgd")
+# the tests of one shared run stay on one xdist worker (its module fixture launches the run once);
+# the others spread over both workers
+K4_GROUP, STREAMING_GROUP = pytest.mark.xdist_group("localsgd_k4"), pytest.mark.xdist_group("localsgd_streaming")
 
 SGD = ["--optimizer", "sgd", "--learning_rate", "0.1", "--max_grad_norm", "0"]
 MERGE = [sys.executable, str(SCRIPTS / "merge_checkpoints.py")]
+K4 = ["--max_steps", "10", "--sync_every", "4", "--batch_size", "8"]
+# Streaming DiLoCo: tiny's 2 blocks in 2 fragments, fragment 0 fused at steps 4, 8, fragment 1 at 2, 6, 10
+STREAMING = [
+    *K4,
+    "--outer_optimizer",
+    "nesterov",
+    "--fragments",
+    "2",
+    "--outer_dtype",
+    "bf16",
+    "--checkpoint_every",
+    "5",
+]
 
 
 @pytest.fixture(scope="module")
 def k4_run(tmp_path_factory, data_cache):
     """AdamW, fusion every 4 steps, 10 steps: fusions at 4, 8 and the end; rank models saved."""
     out = tmp_path_factory.mktemp("localsgd") / "k4"
-    flags = ["--max_steps", "10", "--sync_every", "4", "--batch_size", "8", "--save_rank_models"]
-    launch_tiny("train_localsgd.py", out, data_cache, *flags, nproc=2)
+    launch_tiny("train_localsgd.py", out, data_cache, *K4, "--save_rank_models", nproc=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def streaming_run(tmp_path_factory, data_cache):
+    """Streaming DiLoCo (Nesterov outer SGD, 2 fragments, bf16 all-reduce), a checkpoint at step 5."""
+    out = tmp_path_factory.mktemp("localsgd") / "streaming"
+    launch_tiny("train_localsgd.py", out, data_cache, *STREAMING, nproc=2)
     return out
 
 
@@ -49,6 +71,7 @@ def test_sync_every_step_with_sgd_equals_ddp(tmp_path, data_cache):
     assert_same_losses(train_losses(tmp_path / "ddp"), train_losses(tmp_path / "local"), list(range(1, 11)), tol=2e-6)
 
 
+@K4_GROUP
 def test_replicas_are_identical_right_after_each_fusion_only(k4_run):
     train = {r["step"]: r for r in read_metrics(k4_run) if r["type"] == "train"}
     assert [s for s, r in train.items() if r["fused"]] == [4, 8]
@@ -61,14 +84,79 @@ def test_replicas_are_identical_right_after_each_fusion_only(k4_run):
     assert len(final) == 1 and final[0]["param_spread"] == 0.0
 
 
-def test_communication_is_k_times_less_than_ddp(k4_run):
+@K4_GROUP
+def test_communication_is_k_times_less_than_ddp_in_one_all_reduce_per_fusion(k4_run):
+    """Counted by a dispatch mode around each fusion: ONE all-reduce of the flat model (Accelerate's LocalSGD
+    makes one per tensor: 37 in tiny)."""
     summary = read_metrics(k4_run)[-1]
-    assert summary["fusions"] == 3 and summary["param_allreduce_calls"] == 3 * 37  # 37 parameter tensors in tiny
-    assert summary["allreduce_mib_per_step_per_rank"] == pytest.approx(
-        summary["ddp_allreduce_mib_per_step_per_rank"] * 3 / 10, rel=1e-3
-    )
+    assert summary["fusions"] == 3 and summary["fusion_allreduce_calls"] == 3
+    ddp = summary["ddp_allreduce_mib_per_step_per_rank"]
+    assert summary["fusion_allreduce_buffer_mib"] == pytest.approx(3 * ddp, rel=1e-3)  # fp32 model, 2 ranks
+    assert summary["allreduce_mib_per_step_per_rank"] == pytest.approx(ddp * 3 / 10, rel=1e-3)
 
 
+@K4_GROUP
+def test_nesterov_with_lr_1_and_no_momentum_is_averaging(k4_run, tmp_path, data_cache):
+    """θ_last − mean(θ_last − θ_r) = mean(θ_r): DiLoCo's outer step at lr 1, momentum 0 is Local SGD."""
+    out = tmp_path / "outer_sgd"
+    flags = ["--outer_optimizer", "nesterov", "--outer_lr", "1", "--outer_momentum", "0"]
+    launch_tiny("train_localsgd.py", out, data_cache, *K4, *flags, nproc=2)
+    assert_same_losses(train_losses(k4_run), train_losses(out), list(range(1, 11)), tol=1e-6)
+    a, b = load_file(str(k4_run / "model" / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+def test_outer_step_is_torch_sgd_with_nesterov(tmp_path, data_cache):
+    """The final fusion recomputed in the test: θ_last and the outer momentum from the step-6 checkpoint (after
+    the fusions at 3 and 6), the two ranks' models saved at step 7 before the final fusion, and
+    torch.optim.SGD(nesterov=True)."""
+    out = tmp_path / "diloco"
+    flags = ["--max_steps", "7", "--sync_every", "3", "--batch_size", "8", "--outer_optimizer", "nesterov"]
+    launch_tiny("train_localsgd.py", out, data_cache, *flags, "--checkpoint_every", "6", "--save_rank_models", nproc=2)
+    outer = torch.load(out / "checkpoints" / "step_6" / "extra_state.pt", weights_only=True)
+    names, last = outer["names"][0], [t.clone() for t in outer["last"][0]]
+    assert outer["outer"][0]["state"], "the first fusion left no momentum"
+    ranks = [load_file(str(out / "rank_models" / f"rank_{r}" / "model.safetensors")) for r in (0, 1)]
+    reference = torch.optim.SGD(last, lr=0.7, momentum=0.9, nesterov=True)
+    reference.load_state_dict(outer["outer"][0])
+    for name, t in zip(names, last):
+        t.grad = t - (ranks[0][name] + ranks[1][name]) / 2  # the averaged pseudo-gradient
+    reference.step()
+    fused = load_file(str(out / "model" / "model.safetensors"))
+    assert sorted(names) == sorted(fused)
+    assert max((fused[name] - t).abs().max().item() for name, t in zip(names, last)) < 1e-6
+    assert max((fused[n] - ranks[0][n]).abs().max().item() for n in names) > 1e-3  # the step moved the model
+
+
+@STREAMING_GROUP
+def test_streaming_fuses_each_fragment_exactly_at_its_steps(streaming_run):
+    """Fragment f at the steps = f*K/F (mod K): its replicas agree right after, and only then; the other
+    fragment is left as it is (its replicas still differ)."""
+    records = read_metrics(streaming_run)
+    train = {r["step"]: r for r in records if r["type"] == "train"}
+    assert {s: r["fused_fragments"] for s, r in train.items() if r["fused_fragments"]} == {
+        2: [1],
+        4: [0],
+        6: [1],
+        8: [0],
+        10: [1],
+    }
+    for step, record in train.items():
+        for fragment, spread in enumerate(record["fragment_spread"]):
+            if fragment in record["fused_fragments"]:
+                assert spread == 0.0, f"step {step}: fragment {fragment} differs right after its fusion"
+            else:
+                assert spread > 0.0, f"step {step}: fragment {fragment} agrees although it was not fused"
+    summary = records[-1]
+    assert summary["fusions_per_fragment"] == [3, 3]  # fragment 0 once more in the final fusion
+    assert summary["fusion_allreduce_calls"] == summary["fusions"] == 6
+    # bf16 halves the bytes of the whole model's fusion (DDP's bytes per step); fragments split them further
+    ddp = summary["ddp_allreduce_mib_per_step_per_rank"]
+    assert summary["fusion_mib_per_rank"] == pytest.approx(3 * ddp / 2, rel=1e-3)  # each fragment 3 times, in bf16
+    assert summary["peak_fusion_mib_per_rank"] < 0.6 * ddp / 2
+
+
+@K4_GROUP
 def test_saved_model_is_the_fused_one_and_equals_the_merged_rank_models(k4_run, tmp_path):
     """The rank models are saved right before the final fusion: averaging them must give model/."""
     merged = tmp_path / "merged"
@@ -89,6 +177,7 @@ def test_saved_model_is_the_fused_one_and_equals_the_merged_rank_models(k4_run, 
     assert json.loads(out.read_text())["eval_loss"] == pytest.approx(final["eval_loss"], abs=1e-6)
 
 
+@K4_GROUP
 def test_merging_a_model_with_itself_returns_it(k4_run, tmp_path):
     model = k4_run / "model"
     result = run_cmd([*MERGE, str(model), str(model), "--weights", "3", "1", "--out", str(tmp_path / "same")])
@@ -100,34 +189,25 @@ def test_merging_a_model_with_itself_returns_it(k4_run, tmp_path):
     )
 
 
-def test_resume_is_exact(tmp_path, data_cache):
-    """Replicas and their Adam states differ between fusions: every rank saves and restores its own."""
-    args = [
-        *TINY,
-        "--max_steps",
-        "10",
-        "--sync_every",
-        "3",
-        "--batch_size",
-        "8",
-        "--data_cache_dir",
-        data_cache,
-        "--checkpoint_every",
-        "5",
-    ]
-    launch("train_localsgd.py", [*args, "--output_dir", str(tmp_path / "straight")], nproc=2)
-    launch("train_localsgd.py", [*args, "--output_dir", str(tmp_path / "resumed"), "--stop_at_step", "5"], nproc=2)
-    launch(
-        "train_localsgd.py",
-        [*args, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"],
-        nproc=2,
+@STREAMING_GROUP
+def test_resume_between_fusions_is_exact_with_the_outer_momentum(streaming_run, tmp_path, data_cache):
+    """Replicas and their Adam states differ between fusions (every rank saves its own); θ_last and the
+    outer momentum are restored from the checkpoint, so the fusions at 6, 8 and 10 match the straight run."""
+    resumed = tmp_path / "resumed"
+    launch_tiny("train_localsgd.py", resumed, data_cache, *STREAMING, "--stop_at_step", "5", nproc=2)
+    launch_tiny("train_localsgd.py", resumed, data_cache, *STREAMING, "--resume_from_checkpoint", "latest", nproc=2)
+    assert_same_losses(train_losses(streaming_run), train_losses(resumed), list(range(6, 11)), tol=1e-6)
+    a, b = (
+        load_file(str(streaming_run / "model" / "model.safetensors")),
+        load_file(str(resumed / "model" / "model.safetensors")),
     )
-    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
-    assert_same_losses(
-        train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed"), list(range(6, 11)), tol=1e-6
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    other = tmp_path / "other"
+    launch_tiny("train_localsgd.py", other, data_cache, *K4, "--checkpoint_every", "5", "--stop_at_step", "5", nproc=2)
+    result = launch_tiny(
+        "train_localsgd.py", other, data_cache, *STREAMING, "--resume_from_checkpoint", "latest", nproc=2, check=False
     )
-    spread = lambda records: {r["step"]: r["param_spread"] for r in records if r["type"] == "train"}  # noqa: E731
-    assert spread(straight)[7] == pytest.approx(spread(resumed)[7], rel=1e-6) and spread(straight)[7] > 0
+    assert_one_error(result, "saved with --outer_optimizer average, --fragments 1; resume with the same flags")
 
 
 def assert_one_error(result, needle):
@@ -146,10 +226,21 @@ def test_merge_of_missing_rank_models_names_save_rank_models(tmp_path):
     assert not (tmp_path / "fused").exists()
 
 
+@K4_GROUP
 def test_bad_input(k4_run, tmp_path, data_cache):
     result = launch("train_localsgd.py", [*TINY, "--sync_every", "0", "--output_dir", str(tmp_path / "a")], check=False)
     assert_one_error(result, "--sync_every must be at least 1")
     assert not (tmp_path / "a").exists()
+    for flags, needle in [
+        (["--sync_every", "4", "--fragments", "3"], "--fragments 3 must divide --sync_every 4"),
+        (["--outer_optimizer", "nesterov", "--outer_lr", "0"], "the outer learning rate must be above 0"),
+        (["--outer_dtype", "bf16"], "--outer_dtype bf16 needs --outer_optimizer nesterov"),
+        (["--sync_every", "3", "--fragments", "3"], "the model has 2 blocks"),
+    ]:
+        out = tmp_path / "f"
+        result = launch_tiny("train_localsgd.py", out, data_cache, *flags, check=False)
+        assert_one_error(result, needle)
+        assert not out.exists()
 
     cmd = accelerate_launch_cmd(
         ["--use_fsdp", "--num_processes", "2", "--num_machines", "1", "--main_process_port", str(free_port())],

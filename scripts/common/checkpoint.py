@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from .errors import NothingToDo, UsageError
 
 STATE_FILE = "trainer_state.json"
+EXTRA_STATE_FILE = "extra_state.pt"  # a strategy's own state (save_checkpoint(extra_state=...))
 # Optimizer state keyed by parameter name ("optim.state.blocks.3.mlp.up_proj.weight.exp_avg"),
 # not by position in a param group: pipeline stages hold different parameters in "the same"
 # groups, and another layout must find each parameter's state by its name.
@@ -213,15 +214,25 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
-    accelerator, args, step: int, feed, model, optimizer, scheduler, facts: dict, per_rank_state: bool = False
+    accelerator,
+    args,
+    step: int,
+    feed,
+    model,
+    optimizer,
+    scheduler,
+    facts: dict,
+    per_rank_state: bool = False,
+    extra_state: dict | None = None,
 ) -> Path:
     """Collective: call on every rank. Saves the step, the data position (`feed.position()`) and
     the run's `facts` (check_resume_and_output) beside the tensors. `per_rank_state`: every rank
     writes its whole model and optimizer state to state/rank_<r> (Local SGD, whose replicas differ
-    between fusions)."""
+    between fusions). `extra_state`: a strategy's own state, the same on every rank (DiLoCo's outer
+    optimizer), written by the main process to extra_state.pt; load_extra_state reads it back."""
     state = {"step": step, **feed.position(), **facts}
     return write_checkpoint(
-        accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last, per_rank_state
+        accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last, per_rank_state, extra_state
     )
 
 
@@ -234,6 +245,7 @@ def write_checkpoint(
     output_dir,
     keep_last: int,
     per_rank_state: bool = False,
+    extra_state: dict | None = None,
 ) -> Path:
     """save_checkpoint's writing part: `trainer_state` is what trainer_state.json records."""
     root = _checkpoints_dir(output_dir)
@@ -249,6 +261,8 @@ def write_checkpoint(
     torch.save(_rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if extra_state is not None:  # inside the checkpoint before it is published: whole or not at all
+            torch.save(extra_state, tmp / EXTRA_STATE_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "per_rank_state": per_rank_state}, indent=1))
     accelerator.wait_for_everyone()  # every rank's files are written (DCP wrote its metadata last)
     if accelerator.is_main_process:
@@ -309,6 +323,14 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
     else:  # another layout: per-rank streams cannot map one to one; reseed deterministically
         torch.manual_seed(state.get("seed", 0) + state["step"] * 1000 + accelerator.process_index)
     return state
+
+
+def load_extra_state(path: Path | None) -> dict | None:
+    """The `extra_state` that save_checkpoint wrote into the checkpoint at `path` (None: no path, or
+    none saved). Every rank reads the same file."""
+    if path is None or not (path / EXTRA_STATE_FILE).is_file():
+        return None
+    return torch.load(path / EXTRA_STATE_FILE, weights_only=True)
 
 
 def export_model(accelerator, model, task, data_source: dict, model_dir, layout=None) -> None:
