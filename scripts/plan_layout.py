@@ -46,7 +46,15 @@ from common.errors import UsageError
 from common.launch import HelpFormatter, run_main
 from common.layout import DIMS, FLAGS, Layout
 from common.metrics import ddp_state_bytes
-from common.model import GPT, MODEL_PRESETS, GPTConfig, check_gpt_split, count_parameters, flops_per_token
+from common.model import (
+    GPT,
+    MODEL_PRESETS,
+    GPTConfig,
+    check_gpt_split,
+    check_moe_config,
+    count_parameters,
+    flops_per_token,
+)
 from common.pipeline import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -358,8 +366,8 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         rank = RankState(params, layout, pp_rank, args.stages_per_rank, cfg.n_layer)
         own = rank.state_bytes(args.optimizer)
         state = {k: max(state[k], own[k]) for k in state}  # each field's largest rank, as the runs report it
-        act = stage_activation_bytes(
-            cfg, rank, micro_batch, args.seq_len, layout.tp, bf16, args.activation_checkpointing
+        act = stage_activation_bytes(  # CP: each rank keeps the activations of seq_len / cp tokens
+            cfg, rank, micro_batch, args.seq_len // layout.cp, layout.tp, bf16, args.activation_checkpointing
         )
         in_flight = microbatches_in_flight(args.schedule, layout.pp, pp_rank, m, args.stages_per_rank)
         per_stage = act["per_microbatch"] / len(rank.stages)
@@ -396,7 +404,7 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
     sizes = {"tp": layout.tp, "pp": layout.pp, "dp_shard": layout.dp_shard, "dp_replicate": layout.dp_replicate}
     link_names = {group: link_of(layout, group, args.gpus_per_node) for group in sizes}
     tokens_per_replica = args.batch_size * args.seq_len
-    flops = flops_per_token(cfg, n_params, args.seq_len) * tokens_per_replica / (layout.pp * layout.tp)
+    flops = flops_per_token(cfg, n_params, args.seq_len) * tokens_per_replica / (layout.pp * layout.tp * layout.cp)
     if args.activation_checkpointing:
         flops *= 4 / 3  # one more forward of every block: forward 1/3 of a training step's FLOPs
     peak = args.peak_tflops * 1e12
@@ -411,7 +419,8 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         exposed = seconds["tp"] + seconds["pp"] + max(0.0, seconds["dp"] - compute_s)  # FSDP overlaps compute
         if exposed >= worst["exposed"]:
             worst = {"exposed": exposed, **seconds}
-    step_s = compute_s / (1 - bubble) + worst["exposed"]
+    ring = ring_traffic(cfg, layout, args, micro_batch, bf16, links)
+    step_s = compute_s / (1 - bubble) + worst["exposed"] + max(0.0, ring["seconds"] - compute_s)  # CP: overlapped
     tokens_per_s = tokens_per_replica * layout.dp / step_s
 
     step0, first0 = traffic[0]
@@ -446,7 +455,23 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": round(flops_per_token(cfg, n_params, args.seq_len) * tokens_per_s / (peak * layout.world_size), 4),
         "global_batch_size": args.batch_size * layout.dp,
+        **({"ring_bytes_per_layer": ring["per_layer"], "ring_s": round(ring["seconds"], 6)} if layout.cp > 1 else {}),
     }
+
+
+def ring_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links: dict) -> dict:
+    """Context parallelism's ring (train_cp.py), per rank: a K/V block is 2 x micro-batch x seq/cp x d/tp;
+    per layer and micro-batch (cp-1) blocks in forward, (cp-1) K/V plus cp dK/dV blocks in backward. A ring
+    of tp x cp consecutive ranks stays inside a node while it fits; its time is bytes over the measured
+    point-to-point bandwidth (preflight's ring_p2p), else the link's all-reduce bandwidth."""
+    block = 2 * micro_batch * (args.seq_len // layout.cp) * cfg.n_embd // layout.tp * (2 if bf16 else 4)
+    per_layer = {"forward": (layout.cp - 1) * block, "backward": (2 * layout.cp - 1) * block}
+    link = links["intra_node" if layout.tp * layout.cp <= args.gpus_per_node else "inter_node"]
+    bandwidth = link.get("ring_p2p_GBps") or link["bandwidth_GBps"]
+    layers = math.ceil(cfg.n_layer / layout.pp)
+    calls = 2 * layout.cp * layers * args.n_microbatches if layout.cp > 1 else 0
+    total = sum(per_layer.values()) * layers * args.n_microbatches
+    return {"per_layer": per_layer, "seconds": total / (bandwidth * 1e9) + calls * link["latency_us"] * 1e-6}
 
 
 # ======================================== which layouts
@@ -530,6 +555,8 @@ def read_network(path: str) -> dict:
         if bandwidth <= 0 or latency < 0:
             raise UsageError(f"--network {path}: links.{name} has bandwidth {bandwidth} GB/s, latency {latency} us")
         links[name] = {"bandwidth_GBps": bandwidth, "latency_us": latency}
+        if isinstance(link.get("ring_p2p_GBps"), (int, float)) and link["ring_p2p_GBps"] > 0:
+            links[name]["ring_p2p_GBps"] = float(link["ring_p2p_GBps"])  # CP's ring: send/recv bandwidth
     return links
 
 
@@ -575,6 +602,13 @@ def build_args() -> argparse.ArgumentParser:
         ("tp", "ranks per tensor-parallel group"),
     ):
         g.add_argument(FLAGS[dim], type=int, dest=dim, help=f"{help_text} (default: every value that fits)")
+    g.add_argument(
+        "--cp_size",
+        type=int,
+        default=1,
+        help="context parallel (train_cp.py): ranks that cut each sequence, kept fixed; activations per rank "
+        "/ cp, plus the ring's K/V traffic; the other degrees multiply to --world_size / cp",
+    )
     g = p.add_argument_group("training step (as the training scripts take it)")
     g.add_argument(
         "--batch_size",
@@ -602,6 +636,12 @@ def build_args() -> argparse.ArgumentParser:
         help="no | bf16, as given to accelerate launch: bf16 halves activations and gathered weights "
         "(master weights, gradients and Adam state stay fp32)",
     )
+    g = p.add_argument_group("mixture of experts (train_ep.py: expert parallel; docs/ep.md)")
+    g.add_argument("--n_experts", type=int, default=0, help="experts per MoE layer (0: a dense model)")
+    g.add_argument("--top_k", type=int, default=2, help="experts each token is sent to")
+    g.add_argument("--moe_every", type=int, default=1, help="every n-th block's MLP is a mixture of experts")
+    g.add_argument("--expert_hidden", type=int, default=0, help="hidden width of an expert (0: 4 x n_embd / top_k)")
+    g.add_argument("--ep_size", type=int, help="ranks the experts are cut over (default: every value that divides)")
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=20, help="rows of the table (0: all); --json lists every layout")
     g.add_argument(
@@ -667,12 +707,16 @@ def check_args(args) -> GPTConfig:
         raise UsageError(
             f"--seq_len {args.seq_len} exceeds the model's --block_size {cfg.block_size}: raise --block_size"
         )
+    if args.cp_size < 1 or args.world_size % args.cp_size or (args.cp_size > 1 and args.seq_len % (2 * args.cp_size)):
+        raise UsageError(
+            f"--cp_size {args.cp_size} must divide --world_size {args.world_size}, and 2 x cp must divide --seq_len "
+            f"{args.seq_len} (head-tail chunks): choose a --cp_size that divides both"
+        )
+    world = args.world_size // args.cp_size  # what the four other degrees multiply to
     fixed = [getattr(args, d) for d in DIMS if getattr(args, d) is not None]
     if len(fixed) == len(DIMS):  # all four given: the training scripts' own message when they do not multiply out
-        Layout.from_degrees(
-            args.world_size, pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp
-        )
-    elif args.world_size % math.prod(fixed):
+        Layout.from_degrees(world, pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp)
+    elif world % math.prod(fixed):
         given = " x ".join(f"{FLAGS[d]} {getattr(args, d)}" for d in DIMS if getattr(args, d) is not None)
         raise UsageError(
             f"{given} = {math.prod(fixed)} does not divide --world_size {args.world_size}: "
@@ -728,15 +772,122 @@ def table(records: list[dict], top: int, given: bool) -> str:
     return "\n".join(lines)
 
 
+# ======================================== mixture of experts: train_ep.py's layouts
+def moe_config(args) -> GPTConfig:
+    """The MoE model of the flags (the training scripts' checks and their error lines)."""
+    cfg = GPTConfig.from_preset(
+        args.model_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        block_size=args.block_size,
+        n_experts=args.n_experts,
+        top_k=args.top_k,
+        moe_every=args.moe_every,
+        expert_hidden=args.expert_hidden,
+    )
+    check_moe_config(cfg)
+    args.seq_len = args.seq_len or cfg.block_size
+    if args.ep_size is not None and (
+        args.ep_size < 1 or args.world_size % args.ep_size or cfg.n_experts % args.ep_size
+    ):
+        raise UsageError(
+            f"--ep_size {args.ep_size} must divide --world_size {args.world_size} (every rank is a data-parallel "
+            f"rank) and --n_experts {cfg.n_experts}: choose an --ep_size that divides both"
+        )
+    return cfg
+
+
+def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
+    """train_ep.py on --world_size ranks (all data-parallel), experts cut over ep of them:
+    - state per rank: the parameters that are not experts, FSDP-sharded over all ranks, plus E / ep
+      experts (copied over the dp / ep groups), each with its gradient and optimizer state;
+    - all-to-all per MoE layer and micro-batch: tokens x top_k x n_embd x bytes, twice (dispatch and
+      combine), in forward and again in backward; (ep - 1) / ep of it leaves the rank;
+    - active parameters: what a token goes through (top_k experts of E), against the total."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    total = count_parameters(model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
+    active = total - experts * (cfg.n_experts - cfg.top_k) // cfg.n_experts
+    per_state = 4 if args.optimizer == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
+    expert_bytes = 4 * experts // ep
+    dense_bytes = 4 * (total - experts) / args.world_size
+    act_bytes = 2 if args.mixed_precision == "bf16" else 4
+    tokens = args.batch_size * args.seq_len
+    a2a_layer = tokens * cfg.top_k * cfg.n_embd * act_bytes * 2 * 2  # dispatch + combine, forward + backward
+    a2a_step = a2a_layer * n_moe
+    link = links["intra_node" if ep <= args.gpus_per_node else "inter_node"]
+    a2a_seconds = (
+        a2a_step * (ep - 1) / ep / (link["bandwidth_GBps"] * 1e9) + 4 * n_moe * link["latency_us"] * 1e-6
+    ) * (ep > 1)  # ep 1: every token stays on its rank
+    compute_seconds = 6 * active * tokens / (args.peak_tflops * 1e12)
+    memory = per_state * (expert_bytes + dense_bytes)
+    return {
+        "ep": ep,
+        "dp": args.world_size,
+        "expert_copies": args.world_size // ep,
+        "experts_per_rank": cfg.n_experts // ep,
+        "total_params": total,
+        "active_params_per_token": active,
+        "expert_param_bytes_per_rank": expert_bytes,
+        "state_bytes_per_rank": round(memory),
+        "fits": memory <= args.gpu_memory_gib * GiB,
+        "moe_layers": n_moe,
+        "all_to_all_bytes_per_moe_layer": a2a_layer,
+        "all_to_all_bytes_per_step_rank": a2a_step,
+        "all_to_all_link": "intra_node" if ep <= args.gpus_per_node else "inter_node",
+        "all_to_all_s": a2a_seconds,
+        "compute_s": compute_seconds,
+    }
+
+
+def ep_main(args) -> None:
+    """--n_experts: every (ep x copies) layout of train_ep.py, one line each."""
+    cfg = moe_config(args)
+    args.peak_tflops = args.peak_tflops or PEAK_TFLOPS[args.mixed_precision]
+    links = link_settings(args)
+    eps = [args.ep_size] if args.ep_size else [e for e in range(1, args.world_size + 1) if not args.world_size % e]
+    records = [plan_ep(cfg, args, ep, links) for ep in eps if not cfg.n_experts % ep]
+    first = records[0]
+    print(
+        f"plan_layout: {args.model_size} model with {cfg.n_experts} experts, top-{cfg.top_k}, in "
+        f"{first['moe_layers']} of {cfg.n_layer} blocks: {first['total_params'] / 1e6:.2f}M parameters, "
+        f"{first['active_params_per_token'] / 1e6:.2f}M active per token; {args.world_size} data-parallel ranks, "
+        f"{args.batch_size} samples of {args.seq_len} tokens each\n"
+    )
+    print(
+        f"{'ep':>4} {'copies':>6} {'experts/rank':>12} {'expert MiB':>10} {'state GiB':>9} {'fits':>4} "
+        f"{'a2a MiB/step':>12} {'a2a ms':>8} {'compute ms':>10}"
+    )
+    for r in records:
+        print(
+            f"{r['ep']:>4} {r['expert_copies']:>6} {r['experts_per_rank']:>12} "
+            f"{r['expert_param_bytes_per_rank'] / MiB:>10.2f} {r['state_bytes_per_rank'] / GiB:>9.3f} "
+            f"{'yes' if r['fits'] else 'NO':>4} {r['all_to_all_bytes_per_step_rank'] / MiB:>12.3f} "
+            f"{r['all_to_all_s'] * 1e3:>8.3f} {r['compute_s'] * 1e3:>10.3f}"
+        )
+    print(
+        "state: parameters + gradients + optimizer state per rank (activations not counted); a2a: all-to-all bytes "
+        "each rank sends per step (tokens x top_k x n_embd x bytes x 2, forward and backward; (ep-1)/ep leaves it)"
+    )
+    if args.json:
+        print(json.dumps(records))
+
+
 def main():
     args = build_args().parse_args()
+    if args.n_experts:  # a mixture of experts: train_ep.py's layouts (every rank data-parallel, experts over ep)
+        return ep_main(args)
     cfg = check_args(args)
     links = link_settings(args)
     params, n_params = model_parameters(cfg)
     fixed = {d: getattr(args, d) for d in DIMS}
 
     valid, reasons = [], {}
-    for layout in candidate_layouts(args.world_size, fixed):
+    for layout in candidate_layouts(args.world_size // args.cp_size, fixed):
+        layout.cp, layout.world_size = args.cp_size, args.world_size  # CP: each sequence cut over cp ranks
         try:
             run_args = layout_args(layout, args)
         except UsageError as e:

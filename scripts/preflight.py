@@ -528,7 +528,9 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def links_of(measurements: list[dict]) -> dict:
-    """What a planner needs per scope: all-reduce bus bandwidth at the largest size, latency at the smallest."""
+    """What a planner needs per scope: all-reduce bus bandwidth at the largest size, latency at the smallest;
+    and the ring's point-to-point bandwidth (send/recv to the next rank, from the previous, at the largest
+    size): what context parallelism's ring attention (train_cp.py) moves its K/V blocks over."""
     links = {}
     for scope in ("intra_node", "inter_node"):
         rows = sorted(
@@ -537,6 +539,11 @@ def links_of(measurements: list[dict]) -> dict:
         links[scope] = (
             {"bandwidth_GBps": rows[-1]["busbw_GBps"], "latency_us": rows[0]["seconds"] * 1e6} if rows else None
         )
+        ring = sorted(
+            (m for m in measurements if m["op"] == "send_recv" and m["scope"] == scope), key=lambda m: m["bytes"]
+        )
+        if rows and ring:  # CP: the ring's point-to-point link
+            links[scope]["ring_p2p_GBps"] = ring[-1]["busbw_GBps"]
     return links
 
 

@@ -40,8 +40,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
 
+import torch
 from accelerate.utils import set_seed
 from torch.distributed.tensor.parallel import loss_parallel
+from train_cp import apply_context_parallel, check_cp, cp_forward_backward, plain_attention, whole_sequence_predict
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.data import data_source, load_data, make_train_loader
@@ -90,6 +92,9 @@ def main():
     g.add_argument("--dp_replicate", type=int, default=1, help="data-parallel replicas (HSDP: replicate across them)")
     g.add_argument("--dp_shard", type=int, default=-1, help="data-parallel ranks that shard the model (FSDP)")
     g.add_argument("--tp_size", type=int, default=1, help="ranks per tensor-parallel group (1: FSDP, no TP split)")
+    g.add_argument(
+        "--cp_size", type=int, default=1, help="context parallel: ranks that cut each sequence (train_cp.py)"
+    )
     g = parser.add_argument_group("tensor parallel and memory")
     g.add_argument("--sequence_parallel", action="store_true", help="TP: shard norms/dropout along the sequence")
     g.add_argument("--loss_parallel", action="store_true", help="TP: cross-entropy on vocabulary-sharded logits")
@@ -113,6 +118,7 @@ def main():
         dp_replicate=args.dp_replicate,
         dp_shard=args.dp_shard,
         tp=args.tp_size,
+        cp=args.cp_size,
     )
     global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
 
@@ -135,6 +141,7 @@ def main():
     if plan:
         check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model, flags
     check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
+    check_cp(layout, model, task, args, accelerator.device.type)  # CP: 2 x cp divides the sequence; not beside PP, SP
     if layout.pp > 1:
         check_pipeline_layout(layout, len(units), args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
@@ -150,11 +157,12 @@ def main():
             plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel)
     if layout.tp > 1:
         apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: 2. every weight the plan names becomes a shard
+    attention = apply_context_parallel(model, task, layout) if layout.cp > 1 else None  # CP: 3. the ring attention
     if args.activation_checkpointing:
-        apply_activation_checkpointing(units)  # 3. recompute each unit's activations in backward
+        apply_activation_checkpointing(units)  # 4. recompute each unit's activations in backward
     if args.compile:
-        compile_units(units, accelerator)  # 4. torch.compile per unit, before FSDP's hooks
-    if layout.dp > 1:  # FSDP: 5. one unit per repeated unit, then each root (the model, or each stage); 2-D: HSDP
+        compile_units(units, accelerator)  # 5. torch.compile per unit, before FSDP's hooks
+    if layout.dp * layout.cp > 1:  # FSDP: 6. one unit per repeated unit, then each root; 2-D: HSDP; over dp x cp
         # under PP the units stay gathered for the whole step: one all-gather, not one per micro-batch; under TP
         # the logits are a view of a DTensor's local tensor, which FSDP warns about (the loss only reads them)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -164,6 +172,14 @@ def main():
             accelerator, layout, task, stages, args.schedule, args.n_microbatches, args.loss_parallel
         )
         forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
+    elif layout.cp > 1:  # CP: each rank's slice of every sequence (TP rank 0 counts the loss); evaluation whole
+
+        def forward_backward(micro_batches, global_targets):
+            loss_sum = cp_forward_backward(accelerator, model, task, micro_batches, global_targets, layout, "ring")
+            return loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
+
+        predict = whole_sequence_predict(model, task, attention, layout)
+        eval_batch_size = args.eval_batch_size
     else:
 
         def forward_backward(micro_batches, global_targets):  # TP: the loss on vocabulary shards under --loss_parallel
@@ -190,7 +206,11 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     if layout.pp == 1:  # a mean would train silently wrong; under PP no rank holds the whole model to run it
         check_loss_is_a_sum(
-            task, model, data.validation, accelerator.device, loss_parallel() if args.loss_parallel else None
+            task,
+            model,
+            data.validation,
+            accelerator.device,
+            loss_parallel() if args.loss_parallel else plain_attention(task, model, attention) if attention else None,
         )
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
@@ -207,9 +227,10 @@ def main():
     applied = (
         ("pipeline split", layout.pp > 1),
         ("tensor parallel", layout.tp > 1),
+        ("context parallel", layout.cp > 1),
         ("activation checkpointing", args.activation_checkpointing),
         ("torch.compile", args.compile),
-        ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp > 1),
+        ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp * layout.cp > 1),
     )
     order = " -> ".join(name for name, on in applied if on) or "none (one process)"
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)

@@ -206,3 +206,18 @@ def test_json_is_the_last_line_and_1b_on_1024_gpus_takes_seconds(monkeypatch, ca
 )
 def test_bad_input_is_one_line_naming_the_flag(flags, says, monkeypatch, capsys):
     assert says in usage_error(monkeypatch, capsys, *flags)
+
+
+def test_context_parallel_cuts_activations_and_adds_the_ring(monkeypatch, capsys):
+    """--cp_size 2: each rank keeps the activations of half the tokens, and the plan counts the ring's
+    K/V blocks per layer: (cp-1) in forward, (cp-1) K/V + cp dK/dV in backward (train_cp.py's formula)."""
+    flags = ("--model_size", "1b", "--mixed_precision", "bf16", "--seq_len", "2048", "--batch_size", "8")
+    layout = ("--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "4", "--tp_size", "2")
+    plain = plan(monkeypatch, capsys, *flags, "--world_size", "8", *layout)[0]
+    cp = plan(monkeypatch, capsys, *flags, "--world_size", "16", "--cp_size", "2", *layout)[0]
+    assert cp["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 2, "tp": 2}
+    act = [r["per_pp_rank"][0]["activation_bytes_per_microbatch"] for r in (plain, cp)]
+    assert act[1] == act[0] // 2
+    block = 2 * 1 * (2048 // 2) * (2048 // 2) * 2  # K and V of one micro-batch, seq/cp tokens, d/tp wide, bf16
+    assert cp["ring_bytes_per_layer"] == {"forward": block, "backward": 3 * block}
+    assert "ring_bytes_per_layer" not in plain

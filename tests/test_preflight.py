@@ -48,6 +48,8 @@ def check_report(path, world_size: int, nnodes: int) -> dict:
             continue
         assert link["bandwidth_GBps"] == all_reduce[-1]["busbw_GBps"] and all_reduce[-1]["bytes"] == 64 * 1024
         assert link["latency_us"] == pytest.approx(all_reduce[0]["seconds"] * 1e6)
+        ring = max((r for r in rows if r["op"] == "send_recv" and r["scope"] == scope), key=lambda r: r["bytes"])
+        assert link["ring_p2p_GBps"] == ring["busbw_GBps"] > 0  # context parallelism's ring (plan_layout.py reads it)
     return report
 
 

@@ -17,6 +17,8 @@ TRAINING_SCRIPTS = [
     "train_tp.py",
     "train_pp.py",
     "train_hybrid.py",
+    "train_ep.py",
+    "train_cp.py",
 ]
 MAX_LOOP_LINES, MAX_LOOP_NAMES = 30, 12
 

@@ -20,7 +20,7 @@ import torch
 from .data import add_data_args, check_data_args
 from .errors import NothingToDo, RunPosition, UsageError
 from .layout import release_process_groups
-from .model import MODEL_PRESETS
+from .model import MODEL_PRESETS, gpt_config_from_args
 
 
 def run_main(main) -> None:
@@ -238,6 +238,28 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="torch.compile each transformer block (after TP and activation checkpointing, before FSDP): faster "
         "steps after a first one that waits for the compiler",
     )
+    g = p.add_argument_group("mixture of experts (the built-in GPT: docs/ep.md)")
+    g.add_argument("--n_experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
+    g.add_argument("--top_k", type=int, default=2, help="experts each token is sent to")
+    g.add_argument("--moe_every", type=int, default=1, help="every n-th block's MLP is a mixture of experts")
+    g.add_argument(
+        "--expert_hidden", type=int, default=0, help="hidden width of an expert (default 0: 4 x n_embd / top_k)"
+    )
+    g.add_argument("--shared_expert", action="store_true", help="one more expert that every token goes through")
+    g.add_argument("--router_score", default="softmax", help="softmax | sigmoid (gates renormalised over the top k)")
+    g.add_argument(
+        "--load_balance",
+        default="aux_free",
+        help="aux_free (a per-expert bias steers the choice) | aux_loss (Switch/GShard loss) | none",
+    )
+    g.add_argument("--aux_loss_coef", type=float, default=0.01, help="weight of the auxiliary loss (aux_loss)")
+    g.add_argument("--bias_update_rate", type=float, default=1e-3, help="step of the expert bias (aux_free)")
+    g.add_argument(
+        "--capacity_factor",
+        type=float,
+        help="drop token copies beyond capacity_factor x tokens x top_k / n_experts per expert (default: none dropped)",
+    )
+    g.add_argument("--dump_routing", metavar="DIR", help="debug: save each rank's first-step expert choices to DIR")
     add_data_args(p)
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log_every", type=int, default=10, help="write a train record every N steps")
@@ -282,6 +304,18 @@ def check_core_args(args) -> None:
             "--model_name_or_path and --model_config both name a model: give one (a pretrained folder, or a config "
             "to build from)"
         )
+    if getattr(args, "n_experts", 0) and (args.model_name_or_path or args.model_config):
+        raise UsageError(
+            f"--n_experts {args.n_experts} turns the built-in GPT's MLPs into experts, but a 🤗 model "
+            "(--model_name_or_path, --model_config) brings its own: drop --n_experts (train_ep.py trains the built-in "
+            "GPT only: train a 🤗 model with train_fsdp.py)"
+        )
+    script = Path(sys.argv[0]).name
+    if getattr(args, "n_experts", 0) and script.startswith("train_") and script not in MOE_SCRIPTS:
+        raise UsageError(
+            f"--n_experts: {script} does not train a mixture of experts yet; use train_ep.py (expert parallel), "
+            "train_fsdp.py or train_ddp.py"
+        )
     if args.model_size not in MODEL_PRESETS:
         raise UsageError(f"--model_size {args.model_size!r} is not a preset: choose {', '.join(MODEL_PRESETS)}")
     for flag in ("n_layer", "n_head", "n_embd", "block_size"):
@@ -290,9 +324,15 @@ def check_core_args(args) -> None:
             raise UsageError(f"--{flag} must be at least 1 (got {value})")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1) (got {args.dropout})")
+    if getattr(args, "n_experts", 0):  # the MoE flags (top_k <= n_experts ...), before any process group
+        gpt_config_from_args(args)
     if args.output_dir and os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output_dir {args.output_dir} is a file, not a folder: give a folder for the run's outputs")
     check_data_args(args)
+
+
+# The training scripts that train the GPT with MoE layers (docs/ep.md); the others refuse --n_experts.
+MOE_SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_ep.py")
 
 
 def check_launch() -> None:

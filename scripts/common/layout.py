@@ -30,6 +30,11 @@ from .errors import UsageError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 FLAGS = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}
+# Context parallelism (train_cp.py) cuts every sequence over `cp` ranks, between dp_shard and tp: the mesh's
+# dims are MESH_DIMS; DIMS stays the four the planner searches. A CP group reads the same samples as one
+# data-parallel rank, and FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp): CP ranks hold the same weights.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLAGS["cp"] = "--cp_size"
 
 
 @dataclass
@@ -39,16 +44,19 @@ class Layout:
     dp_shard: int = -1
     tp: int = 1
     world_size: int = 1
+    cp: int = 1
     mesh: DeviceMesh | None = field(default=None, repr=False)
     dp_mesh: DeviceMesh | None = field(default=None, repr=False)
     sub_meshes: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_degrees(
-        cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
+        cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, cp: int = 1
     ) -> "Layout":
         """Check the degrees against the world size (one may be -1: whatever is left)."""
         degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        if cp != 1:  # context parallel (train_cp.py, train_hybrid.py --cp_size)
+            degrees["cp"] = cp
         inferred = [d for d, v in degrees.items() if v == -1]
         if len(inferred) > 1:
             raise UsageError(
@@ -87,10 +95,13 @@ class Layout:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Collective: every rank builds the same mesh (one process group per dimension)."""
-        self.mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in DIMS), mesh_dim_names=DIMS)
+        dims = MESH_DIMS if self.cp > 1 else DIMS  # without CP, the mesh and its groups are those of before
+        self.mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in dims), mesh_dim_names=dims)
         self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")  # one group over all data-parallel ranks
         # slicing a mesh builds a new DeviceMesh object each time (~0.2 ms): slice once, here
-        self.sub_meshes = {name: self.mesh[name] for name in DIMS} | {"dp": self.dp_mesh}
+        self.sub_meshes = {name: self.mesh[name] for name in dims} | {"dp": self.dp_mesh}
+        if self.cp > 1:  # CP: FSDP shards over dp_shard x cp, the ranks that hold the same weights
+            self.sub_meshes["dp_shard_cp"] = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         BUILT_MESHES.append(self.mesh)
         return self.mesh
 
@@ -103,8 +114,10 @@ class Layout:
         """What fully_shard gets: 1-D = FSDP (shard over dp_shard); 2-D = HSDP (replicate over
         dp_replicate, shard inside each replica: docs/troubleshooting.md, "fully_shard on a 2-D
         mesh is HSDP"); None = no data parallelism."""
-        if self.dp == 1:
+        if self.dp * self.cp == 1:
             return None
+        if self.cp > 1:  # CP ranks hold the same weights: shard over dp_shard x cp (torchtitan's dp_shard_cp)
+            return self.mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else self.sub("dp_shard_cp")
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
 
     def rank_in(self, name: str) -> int:
@@ -126,6 +139,11 @@ class Layout:
         return self.rank_in("tp")
 
     @property
+    def cp_rank(self) -> int:
+        """This rank's place in its CP ring (0 without CP): which chunks of every sequence it holds."""
+        return self.rank_in("cp") if self.cp > 1 else 0
+
+    @property
     def holds_loss(self) -> bool:
         """One rank per data-parallel replica reports its loss: the last stage, TP rank 0."""
         return self.pp_rank == self.pp - 1 and self.tp_rank == 0
@@ -133,13 +151,15 @@ class Layout:
     @property
     def writes_stage(self) -> bool:
         """One rank per pipeline stage contributes that stage's weights to the exported model."""
-        return self.dp_rank == 0 and self.tp_rank == 0
+        return self.dp_rank == 0 and self.tp_rank == 0 and self.cp_rank == 0
 
     def describe(self) -> dict:
-        return {d: getattr(self, d) for d in DIMS}
+        return {d: getattr(self, d) for d in (MESH_DIMS if self.cp > 1 else DIMS)}
 
     def table(self) -> str:
         """Which rank sits where: one line per rank (printed at start)."""
+        if self.cp > 1:
+            return self._table_with_cp()
         coords = self.mesh.mesh.reshape(self.pp, self.dp_replicate, self.dp_shard, self.tp)
         lines = [
             f"  layout: pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
@@ -149,6 +169,18 @@ class Layout:
         for idx in torch.cartesian_prod(*(torch.arange(getattr(self, d)) for d in DIMS)).reshape(-1, 4).tolist():
             rank = int(coords[tuple(idx)])
             lines.append(f"    {rank:>4}  {idx[0]:>3}  {idx[1]:>12}  {idx[2]:>8}  {idx[3]:>2}")
+        return "\n".join(lines)
+
+    def _table_with_cp(self) -> str:
+        sizes = [getattr(self, d) for d in MESH_DIMS]
+        coords = self.mesh.mesh.reshape(*sizes)
+        lines = [
+            "  layout: " + " x ".join(f"{d} {getattr(self, d)}" for d in MESH_DIMS) + f" = {self.world_size} ranks",
+            "    rank   pp  dp_replicate  dp_shard  cp  tp",
+        ]
+        for idx in torch.cartesian_prod(*(torch.arange(n) for n in sizes)).reshape(-1, 5).tolist():
+            rank = int(coords[tuple(idx)])
+            lines.append(f"    {rank:>4}  {idx[0]:>3}  {idx[1]:>12}  {idx[2]:>8}  {idx[3]:>2}  {idx[4]:>2}")
         return "\n".join(lines)
 
 

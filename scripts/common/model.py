@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import UsageError
+from .moe import BALANCE_KINDS, ROUTER_SCORES, MoE, active_parameters, aux_loss_sum, moe_layers
 from .task import CausalLMTask
 
 VOCAB_SIZE = 256  # byte-level: every data set is UTF-8 bytes, so no tokenizer download is ever needed
@@ -52,9 +53,26 @@ class GPTConfig:
     block_size: int = 64
     vocab_size: int = VOCAB_SIZE
     dropout: float = 0.0
+    # mixture of experts (common/moe.py, docs/ep.md); n_experts 0: every block has a dense MLP
+    n_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1  # every n-th block's MLP is a mixture of experts
+    expert_hidden: int = 0  # 0: 4 x n_embd / top_k (the active MLP width of the dense model)
+    shared_expert: bool = False
+    router_score: str = "softmax"
+    load_balance: str = "aux_free"
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 1e-3
+    capacity_factor: float | None = None  # None: no token is dropped
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.n_experts:  # a dense model's config.json stays as it was
+            d = {k: v for k, v in d.items() if k in DENSE_FIELDS}
+        return d
+
+    def is_moe_block(self, layer: int) -> bool:
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
@@ -70,7 +88,15 @@ class GPTConfig:
         return cfg
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """The attention of every block: causal SDPA over (batch, heads, tokens, head_dim). Replaceable:
+    context parallelism installs its ring attention in its place (GPTTask.set_attention)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
+    attention = staticmethod(causal_attention)  # an instance's own `attention` replaces it (Task.set_attention)
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
@@ -86,7 +112,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (
             proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -101,12 +127,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = moe_mlp(cfg, layer) if cfg.is_moe_block(layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +147,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -135,25 +161,48 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
             elif "ln" in name:
                 nn.init.ones_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.n_layer))
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Returns logits (B, T, vocab). The loss lives outside (`GPTTask.loss`), so that
-        strategies can normalise it over the whole global batch."""
-        x = self.embed(input_ids)
+        strategies can normalise it over the whole global batch. `positions`: the tokens' real
+        places in their sequence (default 0..T-1; context parallelism passes a rank's slice)."""
+        x = self.embed(input_ids, positions)
         for block in self.blocks.values():
             x = block(x)
         return self.head(x)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.drop(self.tok_emb(input_ids) + self.pos_emb(positions))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+
+DENSE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout")
+
+
+def moe_mlp(cfg: GPTConfig, layer: int) -> MoE:
+    """Block `layer`'s MLP as a mixture of experts (common/moe.py)."""
+    moe = MoE(
+        cfg.n_embd,
+        cfg.n_experts,
+        cfg.top_k,
+        cfg.expert_hidden or max(1, 4 * cfg.n_embd // cfg.top_k),
+        shared_expert=cfg.shared_expert,
+        router_score=cfg.router_score,
+        load_balance=cfg.load_balance,
+        aux_loss_coef=cfg.aux_loss_coef,
+        bias_update_rate=cfg.bias_update_rate,
+        capacity_factor=cfg.capacity_factor,
+    )
+    moe.name = f"blocks.{layer}"
+    return moe
 
 
 class GPTStage(nn.Module):
@@ -202,13 +251,36 @@ class GPTTask(CausalLMTask):
 
     def describe(self, model: nn.Module) -> str:
         n = count_parameters(model)
-        return f"model GPT {self.preset}: {n / 1e6:.2f}M parameters, {self.cfg.n_layer} layers x {self.cfg.n_embd} wide"
+        line = f"model GPT {self.preset}: {n / 1e6:.2f}M parameters, {self.cfg.n_layer} layers x {self.cfg.n_embd} wide"
+        if self.cfg.n_experts:
+            c = self.cfg
+            line += (
+                f"; {len(moe_layers(model))} MoE layer(s) of {c.n_experts} experts, top-{c.top_k}, "
+                f"{c.load_balance} balancing: {active_parameters(model) / 1e6:.2f}M parameters active per token"
+            )
+        return line
+
+    def loss_of(self, model: nn.Module, batch):
+        """The LM loss sum, plus the MoE layers' auxiliary balance loss (a sum over sequences too)."""
+        loss_sum, n_targets = super().loss_of(model, batch)
+        if self.cfg.n_experts and self.cfg.load_balance == "aux_loss":
+            loss_sum = loss_sum + aux_loss_sum(model)
+        return loss_sum, n_targets
 
     def config(self) -> dict:
         return self.cfg.to_dict()
 
     def flops_per_item(self, n_params: int) -> float:
         return flops_per_token(self.cfg, n_params, self.tokens_per_sample)
+
+    def set_attention(self, model: nn.Module, attention) -> None:
+        """Context parallelism: every block's attention becomes `attention` (None: causal SDPA again)."""
+        for module in model.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.attention = attention or causal_attention
+
+    def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
+        return model(input_ids, positions)
 
 
 def gpt_config_from_args(args) -> GPTConfig:
@@ -219,13 +291,57 @@ def gpt_config_from_args(args) -> GPTConfig:
         n_embd=args.n_embd,
         block_size=args.block_size,
         dropout=args.dropout,
+        **{k: getattr(args, k, None) for k in MOE_FLAGS},
     )
+    check_moe_config(cfg)
     if cfg.n_embd % cfg.n_head:
         raise UsageError(
             f"--n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}: "
             "choose a head count that divides the width"
         )
     return cfg
+
+
+MOE_FLAGS = (
+    "n_experts",
+    "top_k",
+    "moe_every",
+    "expert_hidden",
+    "router_score",
+    "load_balance",
+    "aux_loss_coef",
+    "bias_update_rate",
+    "capacity_factor",
+    "shared_expert",
+)
+
+
+def check_moe_config(cfg: GPTConfig) -> None:
+    """The MoE flags, one line each (before any process group exists)."""
+    if cfg.n_experts < 0:
+        raise UsageError(f"--n_experts must not be negative (got {cfg.n_experts}; 0: a dense model)")
+    if not cfg.n_experts:
+        return
+    if not 1 <= cfg.top_k <= cfg.n_experts:
+        raise UsageError(
+            f"--top_k {cfg.top_k} with --n_experts {cfg.n_experts}: each token chooses top_k of the experts, so "
+            f"1 <= top_k <= n_experts; lower --top_k or raise --n_experts"
+        )
+    if cfg.moe_every < 1 or cfg.moe_every > cfg.n_layer:
+        raise UsageError(
+            f"--moe_every {cfg.moe_every}: every n-th block becomes a mixture of experts, so 1 <= n <= --n_layer "
+            f"({cfg.n_layer})"
+        )
+    if cfg.expert_hidden < 0:
+        raise UsageError(f"--expert_hidden must not be negative (got {cfg.expert_hidden}; 0: 4 x n_embd / top_k)")
+    if cfg.router_score not in ROUTER_SCORES:
+        raise UsageError(f"--router_score {cfg.router_score!r}: choose {' or '.join(ROUTER_SCORES)}")
+    if cfg.load_balance not in BALANCE_KINDS:
+        raise UsageError(f"--load_balance {cfg.load_balance!r}: choose {', '.join(BALANCE_KINDS)}")
+    if cfg.capacity_factor is not None and cfg.capacity_factor <= 0:
+        raise UsageError(f"--capacity_factor must be positive (got {cfg.capacity_factor}; leave it out: no dropping)")
+    if cfg.aux_loss_coef < 0 or cfg.bias_update_rate < 0:
+        raise UsageError("--aux_loss_coef and --bias_update_rate must not be negative")
 
 
 def context_length(args) -> int:
@@ -256,7 +372,10 @@ def language_model(args, data) -> tuple[nn.Module, CausalLMTask]:
 
         return load_hf_model(args, data.seq_len, data.task)
     cfg = gpt_config_from_args(args)
-    return GPT(cfg), GPTTask(cfg, data.seq_len, data.task, args.model_size)
+    model = GPT(cfg)
+    for moe in moe_layers(model):
+        moe.dump_routing = getattr(args, "dump_routing", None)  # debug: the first step's expert choices
+    return model, GPTTask(cfg, data.seq_len, data.task, args.model_size)
 
 
 def check_gpt_split(cfg: GPTConfig, tp: int = 1, n_stages: int = 1, stages_per_rank: int = 1) -> None:

@@ -17,6 +17,9 @@ assumes which model is trained: swap the model by swapping that section (docs/yo
     describe(model)           one line for the banner               the start of the run
     tokens_per_sample         tokens in a sample, or None           tokens/s (samples/s otherwise)
     export(state_dict, dir)   writes the final model                OUTPUT_DIR/model
+    set_attention(model, fn)  installs an attention function        context parallelism (train_cp.py):
+    forward_at(model, ids,    a forward of some tokens of each      each rank runs a slice of every
+               positions)     sequence at their real positions      sequence, the ring as its attention
 
 `CausalLMTask` is the contract of any causal language model over batches of
 {"input_ids", "labels"} (labels aligned with the inputs, -100 = not a target).
@@ -86,6 +89,20 @@ class Task:
         """Write the full model to `model_dir` (one process): safetensors + config.json + data.json."""
         write_model_dir(state_dict, self.config(), data_source, model_dir)
 
+    # ---- context parallelism (train_cp.py): the attention is replaceable, the positions are given
+    def set_attention(self, model: nn.Module, attention) -> None:
+        """Make every attention layer call `attention(q, k, v, dropout_p=0.0)` on (batch, heads, tokens,
+        head_dim), causal, in place of its own; None: its own again."""
+        raise UsageError(
+            f"context parallelism replaces the model's attention, but this model's Task ({type(self).__name__}) "
+            "does not say how: implement Task.set_attention and Task.forward_at in the script's MODEL section "
+            "(docs/your-model.md; the built-in GPT has them), or train without --cp_size"
+        )
+
+    def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
+        """The model's outputs for `input_ids`, some tokens of each sequence, at their real `positions`."""
+        raise NotImplementedError
+
 
 def find_units(model: nn.Module, path: str):
     """The submodule at `path` ("blocks", "model.layers"), checked to be a container of units:
@@ -130,6 +147,20 @@ class CausalLMTask(Task):
 
     def count_targets(self, batch) -> torch.Tensor:
         return (batch["labels"][:, 1:] != -100).sum()
+
+    def next_token_targets(self, batch) -> torch.Tensor:
+        """(B, T): the label each position predicts (that of the next token; -100 none), so that the
+        sequence can be cut anywhere (context parallelism) and each piece still knows its targets."""
+        return F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+
+    def loss_at(self, model: nn.Module, input_ids, next_targets, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_sum, n_targets) of some tokens of each sequence (context parallelism: this rank's slice),
+        run at their real `positions` (Task.forward_at), against their `next_token_targets`."""
+        logits = logits_of(self.forward_at(model, input_ids, positions))
+        loss_sum = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), next_targets.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        return loss_sum, (next_targets != -100).sum()
 
     def loss(self, outputs, targets):
         return cross_entropy_sum(logits_of(outputs), targets)

@@ -15,6 +15,7 @@ from accelerate.data_loader import prepare_data_loader
 from torch.distributed.tensor import DTensor
 
 from .errors import RunPosition
+from .moe import attach_bias_update
 
 
 def compile_units(units, accelerator) -> None:
@@ -65,10 +66,13 @@ def make_optimizer(model, args) -> torch.optim.Optimizer:
     ]
     kernels = {"foreach": True} if any(isinstance(p, DTensor) for p in params) else {}
     if args.optimizer == "sgd":
-        return torch.optim.SGD(param_groups, lr=args.learning_rate, **kernels)
-    if all(p.device.type in ("cpu", "cuda") for p in params):
-        kernels = {"fused": True}
-    return torch.optim.AdamW(param_groups, lr=args.learning_rate, betas=(0.9, 0.95), **kernels)
+        optimizer = torch.optim.SGD(param_groups, lr=args.learning_rate, **kernels)
+    else:
+        if all(p.device.type in ("cpu", "cuda") for p in params):
+            kernels = {"fused": True}
+        optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, betas=(0.9, 0.95), **kernels)
+    attach_bias_update(model, optimizer)  # MoE layers: the step's token counts update the expert bias first
+    return optimizer
 
 
 def make_scheduler(optimizer, args, min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:

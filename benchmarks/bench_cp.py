@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""What context parallelism (scripts/train_cp.py's ring attention) costs and saves, on the CPU (gloo):
+
+1. activation memory per rank at one long sequence (--seq_len, default 8192 tokens, the `tiny` GPT with
+   that context), for cp = 1, 2, 4: the bytes autograd keeps for backward after the forward
+   (torch.autograd.graph.saved_tensors_hooks, each storage counted once): the activation peak, which
+   backward then frees. Expected: proportional to 1/cp;
+2. bytes each rank sent around the ring in one step (forward and backward), against the formula:
+   per layer (cp-1) K/V blocks forward, (cp-1) K/V + cp dK/dV blocks backward;
+3. time of a forward + backward at the same tokens per rank (--tokens_per_rank, default 2048: sequences
+   of 2048 x cp), with the transfers overlapping the compute and without (each transfer waited for
+   before computing): what the overlap hides. On 2 cores, 4 ranks share them: indicative only.
+
+    python benchmarks/bench_cp.py [--seq_len 8192] [--tokens_per_rank 2048] [--iters 3]
+
+Prints a table and writes benchmarks/results/cp.json. Each cp runs as its own torchrun job of cp processes.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+RESULTS = REPO / "benchmarks" / "results"
+MIB = 2**20
+
+
+def saved_bytes(run) -> int:
+    """Bytes autograd keeps for backward while `run()` builds the graph (each storage once)."""
+    import torch
+
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(storages.values()), out
+
+
+def worker(args) -> None:
+    """One rank of a cp-rank job: memory at --seq_len, bytes sent, times at --tokens_per_rank."""
+    import torch
+    import torch.distributed as dist
+    from train_cp import Ring, head_tail_chunks, rank_positions, ring_attention, ring_bytes_per_step
+
+    from common.model import GPT, GPTConfig, GPTTask
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(cp)))  # the ring's own group, as a CP group of the training mesh
+    result = {"cp": cp}
+
+    def step(seq_len: int, overlap: bool, measure_memory: bool = False):
+        torch.manual_seed(0)
+        cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=seq_len)
+        model, task = GPT(cfg), GPTTask(cfg, seq_len, "text")
+        ring = Ring(group, head_tail_chunks(cp), overlap=overlap) if cp > 1 else None
+        if ring:
+            task.set_attention(model, ring_attention(ring))
+        ids = torch.randint(0, 256, (1, seq_len))
+        pos = rank_positions(seq_len, head_tail_chunks(cp)[rank], 2 * cp)
+        targets = task.next_token_targets({"labels": ids})[:, pos]
+
+        def forward():
+            return task.loss_at(model, ids[:, pos], targets, pos)[0]
+
+        dist.barrier()
+        start = time.perf_counter()
+        kept, loss = saved_bytes(forward) if measure_memory else (0, forward())
+        loss.backward()
+        seconds = time.perf_counter() - start
+        return kept, seconds, ring, cfg
+
+    kept, _, ring, cfg = step(args.seq_len, True, measure_memory=True)
+    result["activation_mib"] = kept / MIB
+    if ring:
+        from common.layout import Layout
+
+        layout = Layout(cp=cp, world_size=cp)
+        result["sent_mib"] = {k: v / MIB for k, v in ring.sent_bytes.items()}
+        formula = ring_bytes_per_step(layout, 1, args.seq_len, cfg.n_embd, cfg.n_layer, 1)
+        result["formula_mib"] = {k: v / MIB for k, v in formula.items()}
+    for overlap in (True, False) if cp > 1 else (True,):
+        times = [step(args.tokens_per_rank * cp, overlap)[1] for _ in range(args.iters + 1)][1:]  # 1 warm-up
+        result["step_s_overlap" if overlap else "step_s_no_overlap"] = min(times)
+    every = [None] * cp
+    dist.all_gather_object(every, result)
+    if rank == 0:
+        merged = {
+            "cp": cp,
+            "activation_mib_per_rank_max": max(r["activation_mib"] for r in every),
+            "step_s_overlap_max_rank": max(r["step_s_overlap"] for r in every),
+        }
+        if cp > 1:
+            merged["step_s_no_overlap_max_rank"] = max(r["step_s_no_overlap"] for r in every)
+            merged["sent_mib_per_rank"] = every[0]["sent_mib"]
+            merged["formula_mib_per_rank"] = every[0]["formula_mib"]
+        print("RESULT " + json.dumps(merged))
+    dist.destroy_process_group()
+
+
+def launch(cp: int, args) -> dict:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from harness import free_port
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(cp),
+        "--master_port",
+        str(free_port()),
+    ]
+    flags = ["--seq_len", str(args.seq_len), "--tokens_per_rank", str(args.tokens_per_rank), "--iters", str(args.iters)]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([*cmd, __file__, "--worker", *flags], capture_output=True, text=True, env=env, cwd=REPO)
+    if out.returncode:
+        sys.exit(f"cp {cp} failed:\n{out.stderr[-3000:]}")
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq_len", type=int, default=8192, help="tokens of the sequence for the memory figure")
+    p.add_argument("--tokens_per_rank", type=int, default=2048, help="tokens per rank for the time figures")
+    p.add_argument("--iters", type=int, default=3, help="timed steps (the fastest counts), after one warm-up")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    rows = [launch(cp, args) for cp in (1, 2, 4)]
+    base = rows[0]
+    print(f"bench_cp: tiny GPT (2 layers x 64, 4 heads), fp32, CPU/gloo, batch 1; memory at {args.seq_len} tokens")
+    print("  cp  activations/rank  x cp (vs cp 1)  sent fwd/bwd MiB (formula)      step s (overlap / none)  hidden")
+    for r in rows:
+        ratio = r["activation_mib_per_rank_max"] * r["cp"] / base["activation_mib_per_rank_max"]
+        r["activation_times_cp_vs_cp1"] = round(ratio, 4)
+        sent = formula = "-"
+        hidden = ""
+        if r["cp"] > 1:
+            s, f = r["sent_mib_per_rank"], r["formula_mib_per_rank"]
+            sent = f"{s['forward']:.2f} / {s['backward']:.2f}"
+            formula = f"({f['forward']:.2f} / {f['backward']:.2f})"
+            saved = r["step_s_no_overlap_max_rank"] - r["step_s_overlap_max_rank"]
+            r["overlap_hides_s"] = round(saved, 4)
+            hidden = f"{saved:+.3f} s"
+        none = f"{r['step_s_no_overlap_max_rank']:.3f}" if r["cp"] > 1 else "-"
+        print(
+            f"  {r['cp']:>2}  {r['activation_mib_per_rank_max']:>12.2f} MiB  {ratio:>13.3f}  {sent:>13} "
+            f"{formula:>15}  {r['step_s_overlap_max_rank']:>8.3f} / {none:>6}  {hidden}"
+        )
+    print(
+        f"  time: forward + backward of one sequence of {args.tokens_per_rank} x cp tokens "
+        f"({args.tokens_per_rank} per rank)"
+    )
+    record = {"seq_len_memory": args.seq_len, "tokens_per_rank_time": args.tokens_per_rank, "runs": rows}
+    record["measured_with"] = "autograd saved-tensor hooks (bytes kept for backward); time.perf_counter per step"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cp.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {RESULTS / 'cp.json'}")
+
+
+if __name__ == "__main__":
+    main()

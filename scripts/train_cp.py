@@ -1,0 +1,466 @@
+#!/usr/bin/env python
+"""Context parallelism (CP): ring attention over a sequence cut into pieces, under 🤗 Accelerate.
+
+Long sequences run out of activation memory before they run out of weights: every layer keeps
+activations of size batch x tokens x width. CP cuts every sequence over `cp` ranks; each rank runs
+the whole model on its own tokens. Only attention needs the other tokens: their keys and values
+travel around a ring of the CP ranks, one block per step, while this rank computes on the block it has.
+
+    ring of cp = 4 (forward, one layer): step s, rank r holds the K/V of rank r - s
+        rank 0 --K/V--> rank 1 --K/V--> rank 2 --K/V--> rank 3 --K/V--> (rank 0)
+        each step: start sending the block on, attend to it (causal, blockwise), merge by log-sum-exp
+    backward: the K/V go round again, and each block's dK/dV accumulate on the way home to their owner
+
+    head-tail balancing, 8 chunks of a sequence (2 x cp), causal mask: late tokens see more
+        chunk:   0  1  2  3  4  5  6  7
+        rank:    0  1  2  3  3  2  1  0     rank r holds chunks r and 2cp-1-r: every rank the same work
+
+Run it:
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_cp.py \\
+        --dataset pystdlib --block_size 1024
+    accelerate launch ... --num_processes 4 scripts/train_cp.py --cp_size 2   # dp 2 x cp 2 (FSDP over all 4)
+    python scripts/train_cp.py                     # one process: nothing to cut, the ring is not installed
+Gradients reduce over dp x cp (CP ranks hold the same weights): FSDP shards over the flattened
+dp_shard x cp mesh, as torchtitan's dp_shard_cp. Data parallel beside CP shards the data by the dp
+coordinate only: every rank of a CP group reads the same samples. Lines marked `# CP:` are the
+strategy; `# Accelerate:` the library's part. The built-in GPT supports CP (Task.set_attention,
+Task.forward_at); a 🤗 model is refused with one line. --cp_impl torch (GPUs only) uses PyTorch's
+context_parallel over SDPA instead of the ring: untested here (docs/cp.md).
+"""
+
+import sys
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import set_seed
+from torch.distributed.fsdp import FSDPModule
+
+from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.data import data_source, load_data, make_train_loader
+from common.errors import UsageError
+from common.launch import build_parser, check_core_args, make_accelerator, run_main
+from common.layout import Layout
+from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
+from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.task import check_loss_is_a_sum
+from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
+from train_fsdp import apply_fsdp
+
+
+# ======================================== CP: the strategy
+def head_tail_chunks(cp: int) -> list[list[int]]:
+    """Which chunks of a sequence cut into 2 x cp each rank holds: rank r holds r and 2cp-1-r."""
+    return [[r, 2 * cp - 1 - r] for r in range(cp)]
+
+
+def contiguous_chunks(cp: int) -> list[list[int]]:
+    """Without balancing: rank r holds chunk r of cp (picotron's split). Under a causal mask rank r
+    then computes r + 1 blocks, rank cp - 1 all cp of them."""
+    return [[r] for r in range(cp)]
+
+
+def rank_positions(seq_len: int, chunks: list[int], n_chunks: int, device=None) -> torch.Tensor:
+    """The real positions, in the sequence, of a rank's tokens: its chunks, in order."""
+    size = seq_len // n_chunks
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in chunks])
+
+
+def causal_blocks(q_chunks: list[int], kv_chunks: list[int]) -> list[tuple[int, int, bool]]:
+    """The (q chunk, kv chunk) pairs a causal mask leaves something to compute: a kv chunk after the
+    q chunk is skipped, the same chunk is a causal (diagonal) block, an earlier one a full block.
+    Returns (index of the q chunk in q_chunks, index of the kv chunk in kv_chunks, is_diagonal)."""
+    return [(i, j, qc == kc) for i, qc in enumerate(q_chunks) for j, kc in enumerate(kv_chunks) if kc <= qc]
+
+
+def blocks_per_rank(chunks_of: list[list[int]]) -> list[int]:
+    """The attention blocks (q chunk x kv chunk, a diagonal one counted whole) each rank computes over
+    a whole ring: what head-tail balancing evens out."""
+    return [sum(len(causal_blocks(mine, theirs)) for theirs in chunks_of) for mine in chunks_of]
+
+
+class Ring:
+    """The ring of one CP group: who sends to whom, which chunks each rank holds, what was sent.
+    `overlap=False` waits for each transfer before computing (to measure what the overlap hides)."""
+
+    def __init__(self, group, chunks_of: list[list[int]], overlap: bool = True):
+        self.group, self.chunks_of, self.overlap = group, chunks_of, overlap
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)  # CP: send to the next rank
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)  # CP: receive from the previous
+        self.sent_bytes = {"forward": 0, "backward": 0}
+        self.blocks_computed = 0
+
+    def start_pass(self, send: torch.Tensor, tag: int, phase: str):
+        """Post: send `send` to the next rank, receive the previous rank's block of the same shape."""
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),  # CP: point-to-point, both at once
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        works = dist.batch_isend_irecv(ops)
+        self.sent_bytes[phase] += send.nbytes
+        if not self.overlap:  # wait now (a gloo work waited twice hangs: hand back none to wait for)
+            for work in works:
+                work.wait()
+            works = []
+        return works, recv
+
+    @staticmethod
+    def finish(pending) -> torch.Tensor:
+        works, recv = pending
+        for work in works:
+            work.wait()
+        return recv
+
+
+def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
+    s = (q @ k.transpose(-2, -1)) * scale
+    if diagonal:  # the same chunk: causal inside it
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the keys/values of the whole ring.
+
+    Forward: step s attends to the K/V block of rank (r - s) while the next block travels; the
+    partial outputs merge through the log-sum-exp (flash attention's online softmax). Backward: the
+    K/V go round again; dK/dV of each block accumulate on every rank it visits and reach their
+    owner after cp passes; each pass overlaps the next block's compute."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring):
+        B, H, T, D = q.shape
+        scale = D**-0.5
+        mine = ring.chunks_of[ring.rank]
+        c = T // len(mine)
+        out = torch.zeros_like(q)
+        lse = torch.full((B, H, T), float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(ring.size):
+            source = (ring.rank - step) % ring.size
+            pending = ring.start_pass(kv, 0, "forward") if step < ring.size - 1 else None  # CP: next block travels
+            for i, j, diagonal in causal_blocks(mine, ring.chunks_of[source]):  # CP: ... while this one computes
+                rows = slice(i * c, (i + 1) * c)
+                s = _scores(q[:, :, rows], kv[0][:, :, j * c : (j + 1) * c], diagonal, scale)
+                block_lse = torch.logsumexp(s, dim=-1)
+                block_out = torch.exp(s - block_lse[..., None]) @ kv[1][:, :, j * c : (j + 1) * c]
+                new_lse = torch.logaddexp(lse[:, :, rows], block_lse)  # CP: merge by log-sum-exp
+                out[:, :, rows] = (
+                    out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
+                    + block_out * torch.exp(block_lse - new_lse)[..., None]
+                )
+                lse[:, :, rows] = new_lse
+                ring.blocks_computed += 1
+            if pending is not None:
+                kv = Ring.finish(pending)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        T, D = q.shape[2], q.shape[3]
+        scale = D**-0.5
+        mine = ring.chunks_of[ring.rank]
+        c = T // len(mine)
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1)  # (B, H, T): rowsum(dO * O)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v]).contiguous()
+        dkv_pending = None
+        for step in range(ring.size):
+            source = (ring.rank - step) % ring.size
+            pending = ring.start_pass(kv, 0, "backward") if step < ring.size - 1 else None  # CP: K/V again
+            dkv = torch.zeros_like(kv)  # this rank's share of the visiting block's dK, dV
+            for i, j, diagonal in causal_blocks(mine, ring.chunks_of[source]):
+                rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                qi, kj, vj = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+                p = torch.exp(_scores(qi, kj, diagonal, scale) - lse[:, :, rows, None])
+                dkv[1][:, :, cols] += p.transpose(-2, -1) @ dout[:, :, rows]
+                ds = p * (dout[:, :, rows] @ vj.transpose(-2, -1) - delta[:, :, rows, None])
+                dq[:, :, rows] += (ds @ kj) * scale
+                dkv[0][:, :, cols] += (ds.transpose(-2, -1) @ qi) * scale
+            if dkv_pending is not None:  # CP: the block's dK/dV so far, from the ranks it visited before
+                dkv += Ring.finish(dkv_pending)
+            dkv_pending = ring.start_pass(dkv, 1, "backward")  # CP: dK/dV travel on with their block
+            if pending is not None:
+                kv = Ring.finish(pending)
+        dkv = Ring.finish(dkv_pending)  # after cp passes: this rank's own dK, dV, summed over the ring
+        return dq, dkv[0], dkv[1], None
+
+
+def ring_attention(ring: Ring):
+    """The attention function the model calls in place of causal SDPA (Task.set_attention)."""
+
+    def attention(q, k, v, dropout_p: float = 0.0):
+        return RingAttention.apply(q, k, v, ring)
+
+    attention.ring = ring  # what it sent (the summary)
+    return attention
+
+
+def apply_context_parallel(model, task, layout: Layout):
+    """Every attention layer of the model becomes the ring over this rank's CP group (head-tail chunks);
+    returns the attention function installed."""
+    attention = ring_attention(Ring(layout.group("cp"), head_tail_chunks(layout.cp)))
+    task.set_attention(model, attention)  # CP: the model contract's hook (Task.set_attention)
+    return attention
+
+
+def whole_sequence_predict(model, task, attention, layout: Layout):
+    """evaluate()'s `predict`: evaluation reads whole sequences (no gradients, little memory) with causal
+    SDPA on every rank (FSDP needs them all in each forward); CP rank 0 returns the outputs, so each
+    sample counts once."""
+
+    def predict(*inputs):
+        with plain_attention(task, model, attention) if attention else nullcontext():
+            outputs = model(*inputs)
+        return outputs if layout.cp_rank == 0 else None
+
+    return predict
+
+
+@contextmanager
+def plain_attention(task, model, attention):
+    """Whole sequences on every rank (evaluation, the loss check): causal SDPA, then the ring again."""
+    task.set_attention(model, None)
+    try:
+        yield
+    finally:
+        task.set_attention(model, attention)
+
+
+def ring_bytes_per_step(layout: Layout, batch_size: int, seq_len: int, width: int, layers: int, accum: int) -> dict:
+    """The ring's traffic per rank and optimizer step, fp32: per layer (cp-1) K/V blocks in forward;
+    in backward (cp-1) K/V blocks again plus cp dK/dV blocks. A K/V block: 2 x b x s/cp x d."""
+    block = 2 * batch_size * (seq_len // layout.cp) * width * 4
+    forward = (layout.cp - 1) * block * layers * accum
+    backward = ((layout.cp - 1) + layout.cp) * block * layers * accum
+    return {"forward": forward, "backward": backward}
+
+
+def torch_context_parallel(layout: Layout, buffers: list, seq_dims: list):
+    """--cp_impl torch: PyTorch's context_parallel shards `buffers` in place (its own head-tail order)
+    and swaps SDPA for its ring, on CUDA with the flash or efficient kernel (bf16). Untested here."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    return context_parallel(layout.sub("cp"), buffers=buffers, buffer_seq_dims=seq_dims)
+
+
+def cp_forward_backward(accelerator, model, task, micro_batches, global_targets, layout: Layout, impl: str):
+    """Forward and backward of this rank's slice of every sequence; returns its loss sum (its own tokens).
+    The loss is divided by the global batch's target count; FSDP averages gradients over dp x cp ranks,
+    so it is scaled back by their number: the gradient is that of (global loss sum / global targets)."""
+    step_loss_sum = torch.zeros((), device=accelerator.device)
+    scale = layout.dp * layout.cp
+    for i, mb in enumerate(micro_batches):
+        if isinstance(model, FSDPModule):  # one reduce-scatter per step, after the last micro-batch
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        with accelerator.autocast():  # Accelerate: autocast
+            if layout.cp == 1:
+                loss_sum, _ = task.loss_of(model, mb)
+            elif impl == "torch":
+                ids, targets = mb["input_ids"], task.next_token_targets(mb)
+                positions = torch.arange(ids.shape[1], device=ids.device)
+                with torch_context_parallel(layout, [ids, targets, positions], [1, 1, 0]):  # CP: shards in place
+                    loss_sum, _ = task.loss_at(model, ids, targets, positions)
+                    accelerator.backward(loss_sum * scale / global_targets)
+            else:  # CP: this rank's tokens (chunks r and 2cp-1-r), their targets and real positions
+                positions = rank_positions(
+                    mb["input_ids"].shape[1],
+                    head_tail_chunks(layout.cp)[layout.cp_rank],
+                    2 * layout.cp,
+                    mb["input_ids"].device,
+                )
+                ids, targets = mb["input_ids"][:, positions], task.next_token_targets(mb)[:, positions]
+                loss_sum, _ = task.loss_at(model, ids, targets, positions)
+            if impl != "torch" or layout.cp == 1:
+                accelerator.backward(loss_sum * scale / global_targets)  # Accelerate: backward
+        step_loss_sum += loss_sum.detach()
+    return step_loss_sum
+
+
+def check_cp_size(cp_size: int, n_processes: int) -> None:
+    """--cp_size divides the processes (the rest is data parallel), or is -1 (all of them)."""
+    if cp_size != -1 and (cp_size < 1 or n_processes % cp_size):
+        divisors = ", ".join(str(d) for d in range(1, n_processes + 1) if n_processes % d == 0)
+        raise UsageError(
+            f"--cp_size {cp_size} does not divide the {n_processes} processes: use a --cp_size that divides "
+            f"{n_processes} ({divisors}), or -1 for all of them"
+        )
+
+
+def check_cp(layout: Layout, model, task, args, device_type: str) -> None:
+    """One line each: the model's Task can replace its attention, 2 x cp divides the sequence, no dropout
+    in the ring, nothing else that cuts the sequence, --cp_impl torch only on CUDA."""
+    if layout.cp > 1:
+        task.set_attention(model, None)  # a Task that cannot replace the model's attention says so here
+    seq_len = task.tokens_per_sample
+    if layout.cp > 1 and (not seq_len or seq_len % (2 * layout.cp)):
+        raise UsageError(
+            f"--cp_size {layout.cp} cuts each {seq_len}-token sequence into 2 x cp = {2 * layout.cp} chunks "
+            f"(head-tail balancing), which does not divide it: use a --block_size divisible by {2 * layout.cp}"
+        )
+    if layout.cp > 1 and (args.dropout or 0) > 0:
+        raise UsageError("--dropout: the ring attention has no dropout: use --dropout 0, or train without --cp_size")
+    sequence_parallel, loss_parallel = getattr(args, "sequence_parallel", False), getattr(args, "loss_parallel", False)
+    if layout.cp > 1 and (layout.pp > 1 or sequence_parallel or loss_parallel):
+        flag = "--pp_size" if layout.pp > 1 else "--sequence_parallel" if sequence_parallel else "--loss_parallel"
+        raise UsageError(f"{flag} beside --cp_size is not supported yet (the ring cuts the sequence): drop one of them")
+    if getattr(args, "cp_impl", "ring") == "torch" and device_type != "cuda":
+        raise UsageError(
+            "--cp_impl torch: PyTorch's context_parallel intercepts only the CUDA SDPA kernels; on a CPU causal "
+            "attention fails ('aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding "
+            "strategy registered'; with the MATH backend 'aten.add.Tensor got mixed torch.Tensor and DTensor', "
+            "pytorch#147793): use --cp_impl ring (the default) on CPUs"
+        )
+
+
+def main():
+    # ---------------------------------------- flags
+    parser = build_parser(__doc__)
+    g = parser.add_argument_group("context parallel")
+    g.add_argument(
+        "--cp_size",
+        type=int,
+        default=-1,
+        help="ranks that cut each sequence between them: all processes (-1); the other factor is data parallel",
+    )
+    g.add_argument(
+        "--cp_impl",
+        choices=("ring", "torch"),
+        default="ring",
+        help="ring: the hand-written ring attention (CPU and GPU); torch: PyTorch's context_parallel (CUDA, bf16)",
+    )
+    args = parser.parse_args()
+    args.output_dir = args.output_dir or "runs/cp"
+    check_core_args(args)
+    grad_accum = args.gradient_accumulation_steps
+
+    # ---------------------------------------- Accelerator and layout
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
+    # cpu=True where CUDA is missing (make_accelerator). The scheduler counts optimizer steps.
+    accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
+    n = accelerator.num_processes
+    check_cp_size(args.cp_size, n)
+    layout = Layout.from_degrees(n, cp=args.cp_size, dp_shard=1 if args.cp_size == -1 else -1)  # CP: dp x cp
+    dp_size = layout.dp  # the CP ranks of one group read the same samples
+    global_batch_size = args.batch_size * dp_size * grad_accum
+
+    # ---------------------------------------- data (checked before anything is written)
+    data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
+    train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
+
+    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
+    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
+    # the built-in GPT, or a 🤗 transformers causal LM, and its Task: the loss of a micro-batch as
+    # (loss_sum, n_targets), and for CP the attention it calls (Task.set_attention) and a forward at given
+    # positions (Task.forward_at); a model without them is refused with one line
+    model, task = language_model(args, data)
+    model = model.to(accelerator.device)
+    units = task.units(model)  # the repeated units: one FSDP unit each, --compile
+    n_params, model_line = count_parameters(model), task.describe(model)
+    check_cp(layout, model, task, args, accelerator.device.type)  # CP: the model's attention is replaceable
+    if layout.cp > 1:
+        width, depth = task.cfg.n_embd, task.cfg.n_layer  # the K/V width and the layers: the ring's bytes
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    layout.build_mesh(accelerator.device.type)
+
+    # ---------------------------------------- CP: the strategy
+    attention = None
+    if layout.cp > 1 and args.cp_impl == "ring":  # CP: every attention layer becomes the ring over the CP group
+        attention = apply_context_parallel(model, task, layout)
+    if args.compile:
+        compile_units(units, accelerator)
+    if layout.world_size > 1:  # FSDP over dp_shard x cp: gradients reduce over both (CP ranks hold the same weights)
+        apply_fsdp(units, [model], layout.fsdp_mesh, accelerator.mixed_precision)
+
+    # ---------------------------------------- optimizer (after sharding: it sees the shards)
+    optimizer = make_optimizer(model, args)
+    scheduler = make_scheduler(optimizer, args)
+    # Accelerate: optimizer/scheduler wrappers; the loader sharded over the dp coordinate only (CP groups share)
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+    train_sampler = train_loader.sampler
+    train_loader = shard_loader(train_loader, accelerator, layout)
+    whole = plain_attention(task, model, attention) if attention else None  # CP: whole sequences, causal SDPA
+    check_loss_is_a_sum(task, model, data.validation, accelerator.device, whole)  # a mean would train silently wrong
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    feed = StepFeed(
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        grad_accum,
+        progress,
+        task.count_targets,
+        dp_group=layout.group("dp"),
+    )
+    predict = whole_sequence_predict(model, task, attention, layout)  # CP: evaluation reads whole sequences
+    monitor = RunMonitor(accelerator, args, "train_cp", progress["step"], layout.world_size, global_batch_size)
+    seq_len = task.tokens_per_sample
+    if layout.cp == 1:
+        cp_line = "context parallel over 1 rank: nothing to cut, so the ring attention is not installed"
+    else:
+        ring_formula = ring_bytes_per_step(layout, args.batch_size, seq_len, width, depth, grad_accum)
+        cp_line = (
+            f"context parallel: {layout.cp} ranks per ring ({args.cp_impl}) x {layout.dp} data-parallel; each rank "
+            f"holds {seq_len // layout.cp} of the {seq_len} tokens (chunks r and {2 * layout.cp - 1}-r of "
+            f"{2 * layout.cp}); ring traffic per rank and step: {ring_formula['forward'] / 2**20:.3f} MiB forward, "
+            f"{ring_formula['backward'] / 2**20:.3f} MiB backward; FSDP over dp x cp = {layout.dp * layout.cp} ranks"
+        )
+    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
+    monitor.start(task, model_line, n_params, data, [cp_line, costs], resume_path, layout)
+
+    # ---------------------------------------- the training loop
+    step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
+    model.train()
+    while step < last_step and not feed.preempted:
+        monitor.step_start()
+        micro_batches, global_targets = feed.next_step()
+        with monitor.collectives():  # CP: K/V around the ring every layer; FSDP: all-gather, reduce-scatter
+            loss_sum = cp_forward_backward(
+                accelerator, model, task, micro_batches, global_targets, layout, args.cp_impl
+            )
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()  # FSDP: each rank updates its own shard
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        monitor.step_end()
+
+        if monitor.due(step, "train"):  # every rank holds the loss of its own tokens: the sum is the batch's
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+        if monitor.due(step, "eval"):
+            monitor.eval(
+                step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout, predict)
+            )
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
+    feed.close()
+
+    # ---------------------------------------- save
+    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
+    if attention:  # CP: measured ring traffic of the run vs the formula
+        steps = max(step - progress["step"], 1)
+        sent = attention.ring.sent_bytes
+        costs["ring_mib_per_step_rank"] = {k: round(v / steps / 2**20, 4) for k, v in sent.items()}
+        costs["ring_formula_mib_per_step_rank"] = {k: round(v / 2**20, 4) for k, v in ring_formula.items()}
+    monitor.summary(step, preempted=feed.preempted, **costs)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
+
+
+if __name__ == "__main__":
+    run_main(main)

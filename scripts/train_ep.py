@@ -1,0 +1,271 @@
+#!/usr/bin/env python
+"""Expert parallelism (EP) for a mixture-of-experts model, with PyTorch's all-to-all, under 🤗 Accelerate.
+
+In a mixture of experts each block's MLP is E experts, and a router sends every token to k of them.
+EP cuts the experts over `ep` ranks; every rank still trains on its own slice of the global batch,
+so each MoE layer sends every token to the rank that holds its expert, and the result back:
+
+    ep = 2, E = 4 experts (rank 0 holds experts 0,1; rank 1 holds 2,3), top_k = 1
+       rank 0 tokens: a->e0 b->e3 c->e1           rank 1 tokens: d->e2 e->e0 f->e3
+    1. all-to-all of the counts: rank 0 learns it gets 2 tokens from itself and 1 from rank 1 ...
+    2. all-to-all of the tokens (uneven splits):  rank 0 holds a c e      rank 1 holds b d f
+    3. local experts compute:                     e0(a) e1(c) e0(e)      e3(b) e2(d) e3(f)
+    4. reverse all-to-all (combine):              each output goes home, weighted there by its gate
+
+    parameters that are not experts: FSDP-sharded over all data-parallel ranks (as train_fsdp.py)
+    experts: cut over the ep ranks of a group; with ep < processes, groups of ep ranks hold copies
+             (dp / ep of them) whose gradients are all-reduced, like DDP's
+    memory per rank: experts E / ep of them;  all-to-all per MoE layer: tokens x top_k x d x 2 (+ backward)
+
+Run it:
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_ep.py          # ep 2
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml --num_processes 4 scripts/train_ep.py \\
+        --ep_size 2                                      # 2 groups of 2: experts cut in 2, two copies
+    accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 scripts/train_ep.py
+    python scripts/train_ep.py                           # one process: every expert local, nothing sent
+Lines marked `# EP:` are the strategy; `# FSDP:` the sharding of the rest; `# Accelerate:` the library's part.
+The experts and their router are the built-in GPT's (common/moe.py, flags --n_experts, --top_k ...).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import set_seed
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.data import data_source, load_data, make_train_loader
+from common.errors import UsageError
+from common.launch import build_parser, check_core_args, make_accelerator, run_main, world_size_from_env
+from common.layout import Layout
+from common.metrics import RunMonitor, evaluate, local_bytes, sharded_start_line, sharded_summary
+from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.moe import dropped_share, expert_load, moe_layers
+from common.task import check_loss_is_a_sum
+from common.training import StepFeed, clip_grad_norm_, make_optimizer, make_scheduler, shard_loader
+
+
+# ======================================== EP: the strategy
+def apply_expert_parallel(expert_modules: list, ep_mesh) -> None:
+    """Each experts module (batched weights of shape (E, ...), called with tokens sorted by expert
+    and the tokens per expert) is cut over the ep ranks, and its call wrapped: dispatch before it,
+    combine after it (torchtitan's way: `distribute_module` with input and output functions)."""
+    for experts in expert_modules:
+        distribute_module(experts, ep_mesh, partition_fn=shard_experts, input_fn=dispatch, output_fn=combine)
+
+
+def shard_experts(name, module, ep_mesh) -> None:
+    """EP: rank r of the ep group keeps experts [r·E/ep, (r+1)·E/ep): a DTensor Shard(0), so every
+    checkpoint holds the full (E, ...) tensors under their full names and can resume on any ep."""
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        sharded = torch.nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))  # EP: cut the experts
+        module.register_parameter(param_name, sharded)
+
+
+def dispatch(experts, inputs, ep_mesh):
+    """Before the local experts: send every token copy to the rank that holds its expert."""
+    tokens, tokens_per_expert = inputs  # sorted by expert (all E of them), this rank's tokens
+    ep, group = ep_mesh.size(), ep_mesh.get_group()
+    # EP: 1. all-to-all of the counts: from each rank, how many tokens for each of my E/ep experts
+    received_per_expert = torch.empty_like(tokens_per_expert)
+    dist.all_to_all_single(received_per_expert, tokens_per_expert, group=group)
+    received_per_expert = received_per_expert.view(ep, -1)  # (source rank, my expert)
+    send_splits = tokens_per_expert.view(ep, -1).sum(1).tolist()  # tokens for rank 0, 1, ... (uneven)
+    recv_splits = received_per_expert.sum(1).tolist()
+    # EP: 2. all-to-all of the tokens, uneven splits; differentiable: backward sends the gradients home
+    received = all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
+    # they arrive grouped by source rank, then expert: regroup them by expert, for the grouped loop
+    n_local = received_per_expert.shape[1]
+    expert_of_row = torch.arange(n_local, device=tokens.device).repeat(ep)
+    expert_of_row = expert_of_row.repeat_interleave(received_per_expert.flatten())
+    order = expert_of_row.argsort(stable=True)
+    experts.ep_routes = (order, send_splits, recv_splits)  # what combine undoes
+    return received[order], received_per_expert.sum(0)  # EP: 3. the local experts compute on these
+
+
+def combine(experts, outputs, ep_mesh):
+    """After the local experts: every output goes back to the rank its token came from, in the
+    order it was sent (the MoE layer then weights it by its gate and adds it to its token)."""
+    order, send_splits, recv_splits = experts.ep_routes
+    by_source = outputs[order.argsort()]  # back to (source rank, expert) order
+    return all_to_all_single_autograd(by_source, send_splits, recv_splits, ep_mesh.get_group())  # EP: 4. combine
+
+
+@torch.no_grad()
+def reduce_expert_gradients(expert_params: list, replica_group, dp_size: int) -> None:
+    """EP: an expert's gradient already holds every token routed to it from its ep group (the
+    all-to-all's backward brought them). Groups of ep ranks that hold copies of the same experts
+    (dp / ep of them) add theirs, like DDP; then / dp_size, because each rank's loss was scaled by
+    dp_size for FSDP's average over the data-parallel ranks."""
+    for p in expert_params:
+        if p.grad is None:  # no token reached these experts on this rank: the copies still take part
+            p.grad = torch.zeros_like(p)
+        grad = p.grad.to_local()
+        if dist.get_world_size(replica_group) > 1:
+            dist.all_reduce(grad, group=replica_group)  # EP: copies of the same experts add up
+        grad.div_(dp_size)
+
+
+def ep_forward_backward(
+    accelerator, model, task, micro_batches: list, global_targets, dp_size: int, expert_params, replica_group
+) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches, then the experts' gradients; returns the
+    loss sum (normalised by the target count of the whole global batch, as in train_fsdp.py)."""
+    step_loss_sum = torch.zeros((), device=accelerator.device)
+    for i, mb in enumerate(micro_batches):
+        if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        with accelerator.autocast():  # Accelerate: autocast
+            loss_sum, _ = task.loss_of(model, mb)  # the MoE layers' all-to-alls run inside
+            accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
+        step_loss_sum += loss_sum.detach()
+    if expert_params:  # EP: FSDP reduced the other gradients; the experts' are ours
+        reduce_expert_gradients(expert_params, replica_group, dp_size)
+    return step_loss_sum
+
+
+def routing_record(model, ep_size: int, capacity_factor) -> dict:
+    """What a train record adds: ep, and per MoE layer the last step's largest token count over
+    the mean (1.0: perfectly balanced; counted over the whole global batch), and with
+    --capacity_factor the share of token copies dropped."""
+    dropped = {"dropped_share": dropped_share(model)} if capacity_factor else {}
+    return {"ep": ep_size, "expert_load": expert_load(model), **dropped}
+
+
+def check_ep_flags(args, world_size: int) -> int:
+    """EP: the degrees, before any process group exists. Returns ep."""
+    ep = world_size if args.ep_size is None else args.ep_size
+    if args.compile:
+        raise UsageError(
+            "--compile: train_ep.py does not compile its blocks yet (the all-to-all's splits depend on the routing, "
+            "which breaks the graph at every MoE layer); drop --compile"
+        )
+    if ep < 1:
+        raise UsageError(f"--ep_size must be at least 1 (got {ep}; leave it out: all {world_size} processes)")
+    if world_size % ep:
+        raise UsageError(
+            f"--ep_size {ep} does not divide the {world_size} data-parallel processes: the experts are cut over groups "
+            f"of ep ranks that tile the processes; use an --ep_size that divides {world_size}"
+        )
+    if args.n_experts % ep:
+        raise UsageError(
+            f"--n_experts {args.n_experts} is not divisible by --ep_size {ep}: every EP rank holds the same number of "
+            f"experts; use a multiple of {ep} experts or another --ep_size"
+        )
+    return ep
+
+
+def main():
+    # ---------------------------------------- flags
+    parser = build_parser(__doc__)
+    parser.set_defaults(n_experts=8)  # EP trains a mixture of experts
+    g = parser.add_argument_group("expert parallel")
+    g.add_argument("--ep_size", type=int, help="ranks the experts are cut over (default: all processes)")
+    args = parser.parse_args()
+    args.output_dir = args.output_dir or "runs/ep"
+    check_core_args(args)  # the MoE flags too: top_k <= n_experts ...
+    ep_size = check_ep_flags(args, world_size_from_env())
+    grad_accum = args.gradient_accumulation_steps
+
+    # ---------------------------------------- Accelerator and layout
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
+    accelerator = make_accelerator(
+        args, cpu=args.cpu or not torch.cuda.is_available(), sharded=True, step_scheduler_with_optimizer=False
+    )
+    # EP: every rank is a data-parallel rank. The experts are laid out like HSDP: cut over groups of ep
+    # consecutive ranks (the layout's dp_shard), copied over the dp / ep groups (dp_replicate)
+    layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=accelerator.num_processes // ep_size)
+    dp_size = layout.dp
+    global_batch_size = args.batch_size * dp_size * grad_accum
+
+    # ---------------------------------------- data (checked before anything is written)
+    data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
+    train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
+
+    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
+    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
+    model, task = language_model(args, data)  # the built-in GPT with MoE layers (--n_experts ...) and its Task
+    model = model.to(accelerator.device)
+    units = task.units(model)  # the blocks: one FSDP unit each
+    expert_modules = [moe.experts for moe in moe_layers(model)]  # what EP cuts: each MoE layer's batched experts
+    n_params, model_line = count_parameters(model), task.describe(model)
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    layout.build_mesh(accelerator.device.type)
+
+    # ---------------------------------------- EP: the strategy, then FSDP for the rest
+    expert_params, replica_group = [], None  # one process: every expert is local, nothing to send or shard
+    if dp_size > 1:
+        apply_expert_parallel(expert_modules, layout.sub("dp_shard"))  # EP: cut experts over the ep ranks
+        expert_params = [p for experts in expert_modules for p in experts.parameters()]
+        replica_group = layout.group("dp_replicate")  # EP: the ranks that hold copies of the same experts
+        for unit in [*units.children(), model]:  # FSDP: every block, then the root; the experts left out
+            fully_shard(
+                unit, mesh=layout.sub("dp"), reshard_after_forward=unit is not model, ignored_params=set(expert_params)
+            )
+
+    # ---------------------------------------- optimizer (after sharding: it sees the shards)
+    optimizer = make_optimizer(model, args)  # with MoE layers: the expert bias is updated before each step
+    scheduler = make_scheduler(optimizer, args)
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model)
+    train_sampler = train_loader.sampler
+    train_loader = shard_loader(train_loader, accelerator, layout)
+    check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    feed = StepFeed(
+        accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress, task.count_targets
+    )
+    monitor = RunMonitor(accelerator, args, "train_ep", progress["step"], layout.world_size, global_batch_size)
+    n_experts = args.n_experts
+    ep_line = f"EP over {ep_size} ranks: {n_experts // ep_size} of {n_experts} experts per rank"
+    ep_line += f", {dp_size // ep_size} copies" if dp_size > ep_size else ""
+    ep_line = ep_line if dp_size > 1 else "EP over 1 rank: every expert is local, nothing is sent"
+    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
+    monitor.start(task, model_line, n_params, data, [ep_line, costs], resume_path, layout)
+
+    # ---------------------------------------- the training loop
+    step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
+    model.train()
+    while step < last_step and not feed.preempted:
+        monitor.step_start()
+        micro_batches, global_targets = feed.next_step()
+        with monitor.collectives():  # EP: per MoE layer, all-to-all out and back (and again in backward)
+            loss_sum = ep_forward_backward(
+                accelerator, model, task, micro_batches, global_targets, dp_size, expert_params, replica_group
+            )
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()  # first, the expert bias moves towards balance (aux_free)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        monitor.step_end()
+
+        if monitor.due(step, "train"):
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            monitor.train(
+                step, loss, lr, grad_norm, epoch=feed.epoch, **routing_record(model, ep_size, args.capacity_factor)
+            )
+        if monitor.due(step, "eval"):
+            monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
+    feed.close()
+
+    # ---------------------------------------- save
+    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
+    expert_bytes = local_bytes(p for experts in expert_modules for p in experts.parameters())
+    monitor.summary(step, preempted=feed.preempted, ep=ep_size, expert_param_bytes_per_rank=expert_bytes, **costs)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
+
+
+if __name__ == "__main__":
+    run_main(main)
