@@ -7,8 +7,8 @@ global batch is fixed, so 4 processes take half the samples each that 2 do.
 For each run: the final validation loss (the whole validation split, after the last fusion), the bytes
 each rank sends per step (ring all-reduce: 2(N-1)/N x the buffer), and the peak bytes of one fusion.
 Prints a table, writes benchmarks/results/localsgd.json and, where matplotlib is installed
-(benchmarks/requirements.txt), benchmarks/results/localsgd.png (loss against bytes). About 35 minutes
-on 2 idle cores with the defaults.
+(benchmarks/requirements.txt), benchmarks/results/localsgd.png (loss against bytes). About 55 minutes
+with the defaults on 2 cores shared with other jobs (18 runs).
 
     python benchmarks/bench_localsgd.py [--nprocs 2 4] [--ks 8 32 128] [--steps 512]
     python benchmarks/bench_localsgd.py --report_only
@@ -147,12 +147,11 @@ def report(saved: dict) -> None:
                 marker,
                 label=family + " (K = " + ", ".join(r["run"].split("=")[1] for r in series[::-1]) + ")",
             )
+        markers = iter(["^", "v", "D"])
         for r in mine:
             if r["run"] == "DDP" or r["run"].startswith("Streaming"):
-                ax.plot(r["total_mib_per_rank"], r["final_eval_loss"], "*" if r["run"] == "DDP" else "^", ms=10)
-                ax.annotate(
-                    r["run"].replace("Streaming DiLoCo", "streaming"), (r["total_mib_per_rank"], r["final_eval_loss"])
-                )
+                marker = "*" if r["run"] == "DDP" else next(markers)
+                ax.plot(r["total_mib_per_rank"], r["final_eval_loss"], marker, ms=10, label=r["run"])
         finite = [r["final_eval_loss"] for r in mine if math.isfinite(r["final_eval_loss"])]
         ax.set(
             xscale="log",

@@ -268,19 +268,16 @@ def cp_forward_backward(accelerator, model, task, micro_batches, global_targets,
             if layout.cp == 1:
                 loss_sum, _ = task.loss_of(model, mb)
             elif impl == "torch":
-                ids, targets = mb["input_ids"], task.next_token_targets(mb)
+                ids, targets = task.inputs(mb)[0], task.next_token_targets(mb)
                 positions = torch.arange(ids.shape[1], device=ids.device)
                 with torch_context_parallel(layout, [ids, targets, positions], [1, 1, 0]):  # CP: shards in place
                     loss_sum, _ = task.loss_at(model, ids, targets, positions)
                     accelerator.backward(loss_sum * scale / global_targets)
             else:  # CP: this rank's tokens (chunks r and 2cp-1-r), their targets and real positions
-                positions = rank_positions(
-                    mb["input_ids"].shape[1],
-                    head_tail_chunks(layout.cp)[layout.cp_rank],
-                    2 * layout.cp,
-                    mb["input_ids"].device,
-                )
-                ids, targets = mb["input_ids"][:, positions], task.next_token_targets(mb)[:, positions]
+                ids = task.inputs(mb)[0]  # (batch, tokens)
+                chunks = head_tail_chunks(layout.cp)[layout.cp_rank]
+                positions = rank_positions(ids.shape[1], chunks, 2 * layout.cp, ids.device)
+                ids, targets = ids[:, positions], task.next_token_targets(mb)[:, positions]
                 loss_sum, _ = task.loss_at(model, ids, targets, positions)
             if impl != "torch" or layout.cp == 1:
                 accelerator.backward(loss_sum * scale / global_targets)  # Accelerate: backward
@@ -347,8 +344,10 @@ def main():
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
-    # cpu=True where CUDA is missing (make_accelerator). The scheduler counts optimizer steps.
-    accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
+    # cpu=True where CUDA is missing: the N processes then join one gloo group. The scheduler counts optimizer steps.
+    accelerator = make_accelerator(
+        args, cpu=args.cpu or not torch.cuda.is_available(), sharded=True, step_scheduler_with_optimizer=False
+    )
     n = accelerator.num_processes
     check_cp_size(args.cp_size, n)
     layout = Layout.from_degrees(n, cp=args.cp_size, dp_shard=1 if args.cp_size == -1 else -1)  # CP: dp x cp
