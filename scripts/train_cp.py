@@ -24,8 +24,9 @@ Gradients reduce over dp x cp (CP ranks hold the same weights): FSDP shards over
 dp_shard x cp mesh, as torchtitan's dp_shard_cp. Data parallel beside CP shards the data by the dp
 coordinate only: every rank of a CP group reads the same samples. Lines marked `# CP:` are the
 strategy; `# Accelerate:` the library's part. The built-in GPT supports CP (Task.set_attention,
-Task.forward_at); a 🤗 model is refused with one line. --cp_impl torch (GPUs only) uses PyTorch's
-context_parallel over SDPA instead of the ring: untested here (docs/cp.md).
+Task.forward_at), and so do the 🤗 Llama-family models (through transformers' AttentionInterface).
+--cp_impl torch (GPUs only) uses PyTorch's context_parallel over SDPA instead of the ring: untested
+here (docs/cp.md).
 """
 
 import sys
@@ -369,7 +370,14 @@ def main():
     n_params, model_line = count_parameters(model), task.describe(model)
     check_cp(layout, model, task, args, accelerator.device.type)  # CP: the model's attention is replaceable
     if layout.cp > 1:
-        width, depth = task.cfg.n_embd, task.cfg.n_layer  # the K/V width and the layers: the ring's bytes
+        # the K/V width the ring carries (grouped KV heads travel repeated) and the layers: the ring's bytes
+        c = getattr(task, "hf_config", None)  # a 🤗 model's config; else the built-in GPT's
+        width = (
+            c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+            if c
+            else task.cfg.n_embd
+        )
+        depth = c.num_hidden_layers if c else task.cfg.n_layer
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
 

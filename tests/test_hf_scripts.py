@@ -58,6 +58,8 @@ CASES = [
         LLAMA,
     ),
     ("train_hybrid.py", 4, ["--batch_size", "8", "--dp_shard", "2", "--tp_size", "2", "--sequence_parallel"], QWEN2),
+    # context parallel through transformers' AttentionInterface: dp 2 x cp 2, grouped KV heads, rotary positions
+    ("train_cp.py", 4, ["--batch_size", "8", "--cp_size", "2"], LLAMA),
 ]
 RUNS = [(family, script, nproc, flags) for script, nproc, flags, families in CASES for family in families]
 

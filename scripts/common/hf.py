@@ -324,6 +324,9 @@ def load_tokenizer(args):
 # ---------------------------------------------------------------- the contract
 
 
+REPLACED_ATTENTION = "replaced_attention"  # the name HFCausalLMTask.set_attention registers (context parallelism)
+
+
 class HFCausalLMTask(CausalLMTask):
     """CausalLMTask for a 🤗 model: units at model.layers, outputs are 🤗 objects (`.logits`, read by
     CausalLMTask), and the export is a 🤗 folder (save_pretrained) with the tokenizer, if any."""
@@ -377,11 +380,42 @@ class HFCausalLMTask(CausalLMTask):
             self.tokenizer.save_pretrained(tmp)
         replace_dir(tmp, model_dir)
 
+    # --- context parallelism (train_cp.py): the attention is replaceable, the positions are given
+    def set_attention(self, model: nn.Module, attention) -> None:
+        """Every decoder layer calls `attention(q, k, v)` on (batch, heads, tokens, head_dim), causal, in place
+        of SDPA, through transformers' AttentionInterface (None: SDPA again). Grouped KV heads are repeated
+        to the query heads first; the mask transformers would build is not needed (the function is causal)."""
+        if attention is None:
+            model.config._attn_implementation = "sdpa"  # as load_hf_model builds it
+            return
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        def replaced_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+            if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-6:
+                raise UsageError(
+                    f"context parallelism: {type(module).__name__} scales its scores by {scaling}, not "
+                    "1/sqrt(head_dim) as the ring does; train this model without --cp_size"
+                )
+            n_rep = query.shape[1] // key.shape[1]  # grouped-query attention: each KV head serves n_rep heads
+            if n_rep > 1:
+                key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+            return attention(query, key, value).transpose(1, 2).contiguous(), None  # transformers wants (B, T, H, D)
+
+        AttentionInterface.register(REPLACED_ATTENTION, replaced_attention)
+        AttentionMaskInterface.register(REPLACED_ATTENTION, lambda *args, **kwargs: None)  # no mask tensor
+        model.config._attn_implementation = REPLACED_ATTENTION
+
+    def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Some tokens of each sequence at their real positions: the rotary embedding reads position_ids."""
+        return model(input_ids=input_ids, position_ids=positions.expand(input_ids.shape[0], -1))
+
     def _model_with(self, state_dict: dict) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         config = copy.deepcopy(self.hf_config)
         config.use_cache = True  # the exported model is for inference: generate() wants its KV cache
+        config._attn_implementation = "sdpa"  # not the ring a context-parallel run installed
         with torch.device("meta"):  # no init: every weight comes from the state dict
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state_dict = {k: v.detach().to("cpu", torch.float32) for k, v in state_dict.items()}
