@@ -51,9 +51,9 @@ from common.model import (
     MODEL_PRESETS,
     GPTConfig,
     check_gpt_split,
-    check_moe_config,
     count_parameters,
     flops_per_token,
+    gpt_config_from_args,
 )
 from common.pipeline import (
     MULTI_STAGE_SCHEDULES,
@@ -775,18 +775,7 @@ def table(records: list[dict], top: int, given: bool) -> str:
 # ======================================== mixture of experts: train_ep.py's layouts
 def moe_config(args) -> GPTConfig:
     """The MoE model of the flags (the training scripts' checks and their error lines)."""
-    cfg = GPTConfig.from_preset(
-        args.model_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        block_size=args.block_size,
-        n_experts=args.n_experts,
-        top_k=args.top_k,
-        moe_every=args.moe_every,
-        expert_hidden=args.expert_hidden,
-    )
-    check_moe_config(cfg)
+    cfg = gpt_config_from_args(args)  # the MoE flags the planner lacks keep their defaults
     args.seq_len = args.seq_len or cfg.block_size
     if args.ep_size is not None and (
         args.ep_size < 1 or args.world_size % args.ep_size or cfg.n_experts % args.ep_size

@@ -290,7 +290,7 @@ def gpt_config_from_args(args) -> GPTConfig:
         n_head=args.n_head,
         n_embd=args.n_embd,
         block_size=args.block_size,
-        dropout=args.dropout,
+        dropout=getattr(args, "dropout", None),  # plan_layout.py has no --dropout
         **{k: getattr(args, k, None) for k in MOE_FLAGS},
     )
     check_moe_config(cfg)
