@@ -122,9 +122,9 @@ def worker(ep: int, steps: int = 20, warmup: int = 5) -> None:
     layout.build_mesh("cpu")
     experts = [m.experts for m in moe_layers(model)]
     train_ep.apply_expert_parallel(experts, layout.sub("dp_shard"))
-    ignored = {p for e in experts for p in e.parameters()}
+    train_ep.shard_expert_slices(experts, layout.sub("dp_replicate"), world)
     for unit in [*model.blocks.values(), model]:
-        fully_shard(unit, mesh=layout.sub("dp"), reshard_after_forward=unit is not model, ignored_params=ignored)
+        fully_shard(unit, mesh=layout.sub("dp"), reshard_after_forward=unit is not model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(dist.get_rank())
     batch = torch.randint(0, 256, (32, 13), generator=generator)

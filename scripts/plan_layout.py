@@ -790,18 +790,24 @@ def moe_config(args) -> GPTConfig:
 def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
     """train_ep.py on --world_size ranks (all data-parallel), experts cut over ep of them:
     - state per rank: the parameters that are not experts, FSDP-sharded over all ranks, plus E / ep
-      experts (copied over the dp / ep groups), each with its gradient and optimizer state;
+      experts cut again over the dp / ep groups (FSDP along dim 1: E / dp experts' worth per rank),
+      each with its gradient and optimizer state; while a MoE layer computes, its E / ep experts are
+      gathered whole (one layer at a time, like FSDP's units);
     - all-to-all per MoE layer and micro-batch: tokens x top_k x n_embd x bytes, twice (dispatch and
       combine), in forward and again in backward; (ep - 1) / ep of it leaves the rank;
     - active parameters: what a token goes through (top_k experts of E), against the total."""
     with torch.device("meta"):
         model = GPT(cfg)
     total = count_parameters(model)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    expert_params = [p for n, p in model.named_parameters() if ".experts." in n]
+    experts = sum(p.numel() for p in expert_params)
+    slices = args.world_size // ep  # the dp / ep groups that cut each rank's experts again (dim 1, padded)
+    held = sum(p.shape[0] // ep * -(-p.shape[1] // slices) * p[0, 0].numel() for p in expert_params)
     n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
     active = total - experts * (cfg.n_experts - cfg.top_k) // cfg.n_experts
     per_state = 4 if args.optimizer == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
-    expert_bytes = 4 * experts // ep
+    expert_bytes = 4 * held
+    gathered_bytes = 4 * experts // ep // max(n_moe, 1)  # one MoE layer's E / ep experts, whole
     dense_bytes = 4 * (total - experts) / args.world_size
     act_bytes = 2 if args.mixed_precision == "bf16" else 4
     tokens = args.batch_size * args.seq_len
@@ -812,15 +818,16 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
         a2a_step * (ep - 1) / ep / (link["bandwidth_GBps"] * 1e9) + 4 * n_moe * link["latency_us"] * 1e-6
     ) * (ep > 1)  # ep 1: every token stays on its rank
     compute_seconds = 6 * active * tokens / (args.peak_tflops * 1e12)
-    memory = per_state * (expert_bytes + dense_bytes)
+    memory = per_state * (expert_bytes + dense_bytes) + 2 * gathered_bytes  # + its weights and gradients
     return {
         "ep": ep,
         "dp": args.world_size,
-        "expert_copies": args.world_size // ep,
+        "expert_slices": slices,
         "experts_per_rank": cfg.n_experts // ep,
         "total_params": total,
         "active_params_per_token": active,
         "expert_param_bytes_per_rank": expert_bytes,
+        "expert_gathered_bytes_per_layer": gathered_bytes,
         "state_bytes_per_rank": round(memory),
         "fits": memory <= args.gpu_memory_gib * GiB,
         "moe_layers": n_moe,
@@ -833,7 +840,7 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
 
 
 def ep_main(args) -> None:
-    """--n_experts: every (ep x copies) layout of train_ep.py, one line each."""
+    """--n_experts: every (ep x dp / ep) layout of train_ep.py, one line each."""
     cfg = moe_config(args)
     args.peak_tflops = args.peak_tflops or PEAK_TFLOPS[args.mixed_precision]
     links = link_settings(args)
@@ -847,17 +854,20 @@ def ep_main(args) -> None:
         f"{args.batch_size} samples of {args.seq_len} tokens each\n"
     )
     print(
-        f"{'ep':>4} {'copies':>6} {'experts/rank':>12} {'expert MiB':>10} {'state GiB':>9} {'fits':>4} "
-        f"{'a2a MiB/step':>12} {'a2a ms':>8} {'compute ms':>10}"
+        f"{'ep':>4} {'dp/ep':>6} {'experts/rank':>12} {'expert MiB':>10} {'gathered MiB':>12} {'state GiB':>9} "
+        f"{'fits':>4} {'a2a MiB/step':>12} {'a2a ms':>8} {'compute ms':>10}"
     )
     for r in records:
         print(
-            f"{r['ep']:>4} {r['expert_copies']:>6} {r['experts_per_rank']:>12} "
-            f"{r['expert_param_bytes_per_rank'] / MiB:>10.2f} {r['state_bytes_per_rank'] / GiB:>9.3f} "
+            f"{r['ep']:>4} {r['expert_slices']:>6} {r['experts_per_rank']:>12} "
+            f"{r['expert_param_bytes_per_rank'] / MiB:>10.2f} {r['expert_gathered_bytes_per_layer'] / MiB:>12.2f} "
+            f"{r['state_bytes_per_rank'] / GiB:>9.3f} "
             f"{'yes' if r['fits'] else 'NO':>4} {r['all_to_all_bytes_per_step_rank'] / MiB:>12.3f} "
             f"{r['all_to_all_s'] * 1e3:>8.3f} {r['compute_s'] * 1e3:>10.3f}"
         )
     print(
+        "experts/rank: those a rank computes (E / ep); expert MiB: the expert weights it keeps (cut over ep, then over "
+        "dp / ep); gathered MiB: one MoE layer's E / ep experts, whole while it computes\n"
         "state: parameters + gradients + optimizer state per rank (activations not counted); a2a: all-to-all bytes "
         "each rank sends per step (tokens x top_k x n_embd x bytes x 2, forward and backward; (ep-1)/ep leaves it)"
     )

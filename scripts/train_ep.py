@@ -13,14 +13,15 @@ so each MoE layer sends every token to the rank that holds its expert, and the r
     4. reverse all-to-all (combine):              each output goes home, weighted there by its gate
 
     parameters that are not experts: FSDP-sharded over all data-parallel ranks (as train_fsdp.py)
-    experts: cut over the ep ranks of a group; with ep < processes, groups of ep ranks hold copies
-             (dp / ep of them) whose gradients are all-reduced, like DDP's
-    memory per rank: experts E / ep of them;  all-to-all per MoE layer: tokens x top_k x d x 2 (+ backward)
+    experts: cut over the ep ranks of a group (dim 0: which experts); with ep < processes, the dp / ep
+             groups would hold copies, so FSDP cuts each rank's experts again over them (dim 1)
+    memory per rank: experts E / dp of them, E / ep gathered while a MoE layer computes
+    all-to-all per MoE layer: tokens x top_k x d x 2 (+ backward)
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_ep.py          # ep 2
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml --num_processes 4 scripts/train_ep.py \\
-        --ep_size 2                                      # 2 groups of 2: experts cut in 2, two copies
+        --ep_size 2                                      # 2 groups of 2: experts cut in 2, each half cut in 2
     accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 scripts/train_ep.py
     python scripts/train_ep.py                           # one process: every expert local, nothing sent
 Lines marked `# EP:` are the strategy; `# FSDP:` the sharding of the rest; `# Accelerate:` the library's part.
@@ -97,24 +98,21 @@ def combine(experts, outputs, ep_mesh):
     return all_to_all_single_autograd(by_source, send_splits, recv_splits, ep_mesh.get_group())  # EP: 4. combine
 
 
-@torch.no_grad()
-def reduce_expert_gradients(expert_params: list, replica_group, dp_size: int) -> None:
-    """EP: an expert's gradient already holds every token routed to it from its ep group (the
-    all-to-all's backward brought them). Groups of ep ranks that hold copies of the same experts
-    (dp / ep of them) add theirs, like DDP; then / dp_size, because each rank's loss was scaled by
-    dp_size for FSDP's average over the data-parallel ranks."""
-    for p in expert_params:
-        if p.grad is None:  # no token reached these experts on this rank: the copies still take part
-            p.grad = torch.zeros_like(p)
-        grad = p.grad.to_local()
-        if dist.get_world_size(replica_group) > 1:
-            dist.all_reduce(grad, group=replica_group)  # EP: copies of the same experts add up
-        grad.div_(dp_size)
+def shard_expert_slices(expert_modules: list, replica_mesh, dp_size: int) -> None:
+    """EP: with ep < dp, dp / ep groups of ep ranks would each hold a copy of the same experts.
+    FSDP cuts those copies too (torchtitan's way): each rank keeps 1 / (dp / ep) of its experts'
+    slice, along dim 1 (dim 0, the experts, is EP's), and gathers it for the layer's forward and
+    backward. The gradient of a rank's experts already holds every token of its ep group (the
+    all-to-all's backward brought them); FSDP's reduce-scatter adds the dp / ep groups' and
+    divides by dp, as for every other parameter (each rank's loss was scaled by dp)."""
+    for experts in expert_modules:
+        fully_shard(experts, mesh=replica_mesh, shard_placement_fn=lambda param: Shard(1))  # FSDP: cut the slices
+        experts.set_gradient_divide_factor(dp_size)  # FSDP: the sum over all dp ranks' tokens, / dp
+        if replica_mesh.size() > 1:  # a SUM, then / dp: gloo has no pre-scaled sum (alone, FSDP just divides)
+            experts.set_force_sum_reduction_for_comms(True)
 
 
-def ep_forward_backward(
-    accelerator, model, task, micro_batches: list, global_targets, dp_size: int, expert_params, replica_group
-) -> torch.Tensor:
+def ep_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches, then the experts' gradients; returns the
     loss sum (normalised by the target count of the whole global batch, as in train_fsdp.py)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
@@ -125,8 +123,6 @@ def ep_forward_backward(
             loss_sum, _ = task.loss_of(model, mb)  # the MoE layers' all-to-alls run inside
             accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
-    if expert_params:  # EP: FSDP reduced the other gradients; the experts' are ours
-        reduce_expert_gradients(expert_params, replica_group, dp_size)
     return step_loss_sum
 
 
@@ -136,6 +132,18 @@ def routing_record(model, ep_size: int, capacity_factor) -> dict:
     --capacity_factor the share of token copies dropped."""
     dropped = {"dropped_share": dropped_share(model)} if capacity_factor else {}
     return {"ep": ep_size, "expert_load": expert_load(model), **dropped}
+
+
+def check_expert_slices(expert_modules: list, slices: int) -> None:
+    """FSDP cuts each rank's experts along dim 1 (n_embd of up_proj, the hidden width of down_proj)
+    into dp / ep equal slices."""
+    widths = {p.shape[1] for experts in expert_modules for p in experts.parameters()}
+    if any(width % slices for width in widths):
+        raise UsageError(
+            f"--ep_size: the experts are cut again over the {slices} groups of ep ranks (dp / ep), along their widths "
+            f"{sorted(widths)}, which {slices} does not divide; use a larger --ep_size (fewer groups) or widths that "
+            f"{slices} divides"
+        )
 
 
 def check_ep_flags(args, world_size: int) -> int:
@@ -178,8 +186,8 @@ def main():
     accelerator = make_accelerator(
         args, cpu=args.cpu or not torch.cuda.is_available(), sharded=True, step_scheduler_with_optimizer=False
     )
-    # EP: every rank is a data-parallel rank. The experts are laid out like HSDP: cut over groups of ep
-    # consecutive ranks (the layout's dp_shard), copied over the dp / ep groups (dp_replicate)
+    # EP: every rank is a data-parallel rank. The experts are cut over groups of ep consecutive ranks (the
+    # layout's dp_shard), then each rank's share again over the dp / ep groups (the layout's dp_replicate)
     layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=accelerator.num_processes // ep_size)
     dp_size = layout.dp
     global_batch_size = args.batch_size * dp_size * grad_accum
@@ -194,20 +202,17 @@ def main():
     model = model.to(accelerator.device)
     units = task.units(model)  # the blocks: one FSDP unit each
     expert_modules = [moe.experts for moe in moe_layers(model)]  # what EP cuts: each MoE layer's batched experts
+    check_expert_slices(expert_modules, dp_size // ep_size)
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- EP: the strategy, then FSDP for the rest
-    expert_params, replica_group = [], None  # one process: every expert is local, nothing to send or shard
-    if dp_size > 1:
+    if dp_size > 1:  # one process: every expert is local, nothing to send or shard
         apply_expert_parallel(expert_modules, layout.sub("dp_shard"))  # EP: cut experts over the ep ranks
-        expert_params = [p for experts in expert_modules for p in experts.parameters()]
-        replica_group = layout.group("dp_replicate")  # EP: the ranks that hold copies of the same experts
-        for unit in [*units.children(), model]:  # FSDP: every block, then the root; the experts left out
-            fully_shard(
-                unit, mesh=layout.sub("dp"), reshard_after_forward=unit is not model, ignored_params=set(expert_params)
-            )
+        shard_expert_slices(expert_modules, layout.sub("dp_replicate"), dp_size)  # FSDP: ... and over dp / ep
+        for unit in [*units.children(), model]:  # FSDP: every block, then the root (the experts are sharded)
+            fully_shard(unit, mesh=layout.sub("dp"), reshard_after_forward=unit is not model)
 
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)  # with MoE layers: the expert bias is updated before each step
@@ -223,7 +228,7 @@ def main():
     monitor = RunMonitor(accelerator, args, "train_ep", progress["step"], layout.world_size, global_batch_size)
     n_experts = args.n_experts
     ep_line = f"EP over {ep_size} ranks: {n_experts // ep_size} of {n_experts} experts per rank"
-    ep_line += f", {dp_size // ep_size} copies" if dp_size > ep_size else ""
+    ep_line += f", each cut again over {dp_size // ep_size} groups (FSDP)" if dp_size > ep_size else ""
     ep_line = ep_line if dp_size > 1 else "EP over 1 rank: every expert is local, nothing is sent"
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
     monitor.start(task, model_line, n_params, data, [ep_line, costs], resume_path, layout)
@@ -235,9 +240,7 @@ def main():
         monitor.step_start()
         micro_batches, global_targets = feed.next_step()
         with monitor.collectives():  # EP: per MoE layer, all-to-all out and back (and again in backward)
-            loss_sum = ep_forward_backward(
-                accelerator, model, task, micro_batches, global_targets, dp_size, expert_params, replica_group
-            )
+            loss_sum = ep_forward_backward(accelerator, model, task, micro_batches, global_targets, dp_size)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # first, the expert bias moves towards balance (aux_free)

@@ -40,7 +40,7 @@ RUNS = {
     "ep1_aux_free": ("train_ep.py", 1, AUX_FREE, ["--batch_size", "16"]),  # every expert local
     "ep2_aux_free": ("train_ep.py", 2, AUX_FREE, ["--batch_size", "8"]),
     "ep4_aux_free": ("train_ep.py", 4, AUX_FREE, ["--batch_size", "4", "--checkpoint_every", "3"]),
-    # ep 2 on 4 processes: two copies of each expert, gradients all-reduced between them; accumulation
+    # ep 2 on 4 processes: each group of 2 computes the experts, which FSDP cuts again over the 2 groups; accumulation
     "ep2x2_aux_loss": (
         "train_ep.py",
         4,
@@ -70,7 +70,7 @@ def run(tmp_path_factory, data_cache):
 
 
 @pytest.mark.parametrize(
-    "name, ep, copies",
+    "name, ep, slices",
     [
         ("ep1_aux_free", 1, 1),
         ("ep2_aux_free", 2, 1),
@@ -79,17 +79,18 @@ def run(tmp_path_factory, data_cache):
         ("ep4_aux_loss", 4, 1),
     ],
 )
-def test_matches_one_process(name, ep, copies, run):
+def test_matches_one_process(name, ep, slices, run):
     """Same per-step loss (within 1e-5) and final evaluation as the one-process MoE run."""
     out = run(name)
     balance = "aux_free" if "aux_free" in name else "aux_loss"
     assert_matches_reference(run(f"ref_{balance}"), out, STEPS)
-    assert_layout(out, dp_shard=ep, dp_replicate=copies)
+    assert_layout(out, dp_shard=ep, dp_replicate=slices)
     records = [r for r in read_metrics(out) if r["type"] == "train"]
     assert all(r["ep"] == ep and len(r["expert_load"]) == 2 for r in records)
     summary = next(r for r in read_metrics(out) if r["type"] == "summary")
-    # each rank holds E / ep experts: 2 layers x (up + down) x 64 x 128 floats per expert
-    assert summary["expert_param_bytes_per_rank"] == 2 * 2 * (4 // ep) * 64 * 128 * 4
+    # each rank computes E / ep experts and keeps 1 / (dp / ep) of them (FSDP over the groups of ep ranks):
+    # 2 layers x (up + down) x 64 x 128 floats per expert; at ep 2 on 4 processes, 4 / 2 / 2 experts' worth
+    assert summary["expert_param_bytes_per_rank"] == 2 * 2 * (4 // ep / slices) * 64 * 128 * 4
     accumulation = 2 if "ep2x2" in name else 1
     # per MoE layer and micro-batch: dispatch + combine, forward + backward (one process: nothing is sent)
     all_to_all = summary["collectives_first_step_rank0"].get("all_to_all", {"calls": 0})
@@ -118,13 +119,14 @@ def test_first_step_routing_equals_one_process(name, run):
 
 
 def test_checkpoint_of_ep4_resumes_at_ep2(run, data_cache, tmp_path):
-    """ep 4's checkpoint of step 3 (4 experts cut in 4, DTensor Shard(0) under full names) continues on 2
-    processes at ep 2 and gives the uninterrupted run's losses; its exported model loads in evaluate.py."""
+    """ep 4's checkpoint of step 3 (4 experts cut in 4, DTensor Shard(0) under full names) continues on 4
+    processes at ep 2 (2 experts per group of 2, each cut again in 2 along dim 1) and gives the uninterrupted
+    run's losses; its exported model loads in evaluate.py."""
     ep4 = run("ep4_aux_free")
     out = tmp_path / "resumed"
     checkpoint = ep4 / "checkpoints" / "step_3"
-    flags = [*AUX_FREE, "--batch_size", "8", "--resume_from_checkpoint", str(checkpoint)]
-    launch_tiny("train_ep.py", out, data_cache, *flags, nproc=2)
+    flags = [*AUX_FREE, "--batch_size", "4", "--ep_size", "2", "--resume_from_checkpoint", str(checkpoint)]
+    launch_tiny("train_ep.py", out, data_cache, *flags, nproc=4)
     straight, resumed = train_losses(ep4), train_losses(out)
     assert sorted(resumed) == [4, 5, 6]
     assert all(abs(straight[s] - resumed[s]) <= 1e-5 for s in (4, 5, 6)), (straight, resumed)
@@ -136,9 +138,10 @@ def test_checkpoint_of_ep4_resumes_at_ep2(run, data_cache, tmp_path):
     assert abs(json.loads(result.read_text())["eval_loss"] - final["eval_loss"]) < 1e-5
 
 
-def test_plan_layout_matches_the_ep4_run(run, monkeypatch, capsys):
-    """plan_layout.py --n_experts: expert bytes per rank (E / ep experts) exactly as measured, the total
-    parameters, fewer active than total, and the all-to-all bytes of the first step on rank 0 against
+def test_plan_layout_matches_the_ep_runs(run, monkeypatch, capsys):
+    """plan_layout.py --n_experts: expert bytes per rank (E / ep experts, cut again over dp / ep) exactly as
+    measured at ep 4 and at ep 2 on 4 processes, the total parameters, fewer active than total, and the
+    all-to-all bytes of the first step on rank 0 against
     tokens x top_k x n_embd x 4 bytes x 2 (dispatch, combine) x 2 (forward, backward) x MoE layers: rank 0
     sends its own tokens' copies but receives however many the router sent to its expert (+-50%)."""
     sys.path.insert(0, str(SCRIPTS))
@@ -146,11 +149,15 @@ def test_plan_layout_matches_the_ep4_run(run, monkeypatch, capsys):
 
     monkeypatch.setattr(sys, "argv", ["plan_layout.py", "--model_size", "tiny", "--world_size", "4", "--json"])
     monkeypatch.setattr(sys, "argv", [*sys.argv, "--n_experts", "4", "--top_k", "2", "--batch_size", "4"])
-    monkeypatch.setattr(sys, "argv", [*sys.argv, "--seq_len", "13", "--ep_size", "4"])
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--seq_len", "13"])
     plan_layout.main()
-    (plan,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    plans = {p["ep"]: p for p in json.loads(capsys.readouterr().out.strip().splitlines()[-1])}
+    assert sorted(plans) == [1, 2, 4]
+    for ep, name in ((4, "ep4_aux_free"), (2, "ep2x2_aux_loss")):
+        measured = next(r for r in read_metrics(run(name)) if r["type"] == "summary")
+        assert plans[ep]["expert_param_bytes_per_rank"] == measured["expert_param_bytes_per_rank"], ep
+    plan = plans[4]
     measured = next(r for r in read_metrics(run("ep4_aux_free")) if r["type"] == "summary")
-    assert plan["expert_param_bytes_per_rank"] == measured["expert_param_bytes_per_rank"]
     assert plan["total_params"] == measured["n_params"] > plan["active_params_per_token"]
     assert plan["all_to_all_bytes_per_step_rank"] == 4 * 13 * 2 * 64 * 4 * 2 * 2 * 2
     a2a = measured["collectives_first_step_rank0"]["all_to_all"]["mib"] * 2**20
