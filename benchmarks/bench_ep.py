@@ -8,14 +8,17 @@
 2. Loss: the dense `tiny` model (MLP 4 x 64 wide) against those MoE models, whose two chosen experts
    of 128 each give a token the same active MLP (train_ddp.py for the dense one, same global batch).
 3. All-to-all: rank 0's bytes of the first step against the formula tokens x top_k x n_embd x 4 bytes
-   x 2 (dispatch, combine) x 2 (forward, backward) x MoE layers, at ep 2 and ep 4; and the share of the
-   step time spent in it (torch.profiler around 20 steps of train_ep.py's own dispatch and combine).
-4. Expert memory per rank, measured, against plan_layout.py --n_experts.
+   x 2 (dispatch, combine) x 2 (forward, backward) x MoE layers, at ep 2 and ep 4, and at ep 2 on 4
+   processes; and the share of the step time spent in it (torch.profiler around 20 steps of
+   train_ep.py's own dispatch and combine).
+4. Expert memory per rank, measured, against plan_layout.py --n_experts (at ep 2 on 4 processes
+   FSDP cuts each rank's experts again over the 2 groups: half the bytes of ep 2 on 2).
 
 Prints the figures, writes benchmarks/results/ep.json and, where matplotlib is installed
 (benchmarks/requirements.txt), benchmarks/results/ep_balance.png. About 7 minutes on 2 cores.
 
     python benchmarks/bench_ep.py [--steps 500]
+    python benchmarks/bench_ep.py --all_to_all_only     # parts 3 and 4 only (about 2 minutes)
 """
 
 import argparse
@@ -181,6 +184,11 @@ def main():
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ep", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--report_only", action="store_true", help="redo the table and plot from the last results file")
+    p.add_argument(
+        "--all_to_all_only",
+        action="store_true",
+        help="redo only the all-to-all and memory rows (keeps the balance runs)",
+    )
     args = p.parse_args()
     if args.worker:
         return worker(args.ep)
@@ -190,23 +198,30 @@ def main():
     started = time.perf_counter()
     steps = ["--max_steps", str(args.steps)]
     result = {"command": "python benchmarks/bench_ep.py --steps " + str(args.steps), "balance": {}, "all_to_all": []}
+    if args.all_to_all_only:
+        result = json.loads((RESULTS / "ep.json").read_text()) | {"all_to_all": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for name, flags in BALANCE.items():
+        for name, flags in {} if args.all_to_all_only else BALANCE.items():
             out = tmp / name.replace(" ", "_").replace(",", "").replace(".", "")
             result["balance"][name] = balance_figures(train("scripts/train_ep.py", out, [*steps, *MOE, *flags]))
             result["balance"][name]["n_params"] = records(out)[-1]["n_params"]
             print(name, result["balance"][name]["max_over_mean_per_layer_last_100_steps"], flush=True)
-            if name == "aux_free":
-                ep2 = records(out)[-1]
-        dense = train("scripts/train_ddp.py", tmp / "dense", steps)
-        result["dense"] = {
-            "n_params": dense[-1]["n_params"],
-            "eval": [[r["step"], r["eval_loss"], r["exact_match"]] for r in dense if r["type"] == "eval"],
-            "tokens_per_sec": dense[-1]["tokens_per_sec"],
-        }
-        ep4 = train("scripts/train_ep.py", tmp / "ep4", ["--max_steps", "5", *MOE, "--batch_size", "16"], nproc=4)[-1]
-    for ep, nproc, summary, per_rank in ((2, 2, ep2, 32), (4, 4, ep4, 16)):
+        if not args.all_to_all_only:
+            dense = train("scripts/train_ddp.py", tmp / "dense", steps)
+            result["dense"] = {
+                "n_params": dense[-1]["n_params"],
+                "eval": [[r["step"], r["eval_loss"], r["exact_match"]] for r in dense if r["type"] == "eval"],
+                "tokens_per_sec": dense[-1]["tokens_per_sec"],
+            }
+        # (ep, processes, samples per rank): ep 2 on 4 processes cuts each rank's experts again over 2 groups
+        layouts = ((2, 2, 32), (4, 4, 16), (2, 4, 16))
+        summaries = {}
+        for ep, nproc, per_rank in layouts:
+            flags = ["--max_steps", "5", *MOE, "--batch_size", str(per_rank), "--ep_size", str(ep)]
+            summaries[ep, nproc] = train("scripts/train_ep.py", tmp / f"ep{ep}x{nproc}", flags, nproc=nproc)[-1]
+    for ep, nproc, per_rank in layouts:
+        summary = summaries[ep, nproc]
         planned = plan(ep, nproc, per_rank)
         formula = per_rank * 13 * 2 * 64 * 4 * 2 * 2 * planned["moe_layers"]
         measured = summary["collectives_first_step_rank0"]["all_to_all"]["mib"] * 2**20
@@ -224,7 +239,7 @@ def main():
             }
         )
         print(result["all_to_all"][-1], flush=True)
-    result["seconds"] = round(time.perf_counter() - started)
+    result["all_to_all_seconds" if args.all_to_all_only else "seconds"] = round(time.perf_counter() - started)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ep.json").write_text(json.dumps(result, indent=1))
     report(result)
@@ -247,7 +262,8 @@ def report(result: dict) -> None:
     print("all-to-all (first step, rank 0) and expert memory per rank:")
     for a in result["all_to_all"]:
         print(
-            f"  ep {a['ep']}: {a['first_step_bytes_rank0'] / 2**20:.3f} MiB vs formula {a['formula_bytes'] / 2**20:.3f}"
+            f"  ep {a['ep']} on {a['processes']}: {a['first_step_bytes_rank0'] / 2**20:.3f} MiB"
+            f" vs formula {a['formula_bytes'] / 2**20:.3f}"
             f" MiB ({a['measured_over_formula']}x); {100 * a['all_to_all_share']:.1f}% of a {a['step_ms']} ms step;"
             f" experts {a['expert_param_bytes_per_rank'] / 2**20:.3f} MiB per rank, plan"
             f" {a['planned_expert_param_bytes_per_rank'] / 2**20:.3f} MiB"

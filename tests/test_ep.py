@@ -121,7 +121,7 @@ def test_first_step_routing_equals_one_process(name, run):
 def test_checkpoint_of_ep4_resumes_at_ep2(run, data_cache, tmp_path):
     """ep 4's checkpoint of step 3 (4 experts cut in 4, DTensor Shard(0) under full names) continues on 4
     processes at ep 2 (2 experts per group of 2, each cut again in 2 along dim 1) and gives the uninterrupted
-    run's losses; its exported model loads in evaluate.py."""
+    run's losses, as it does on one process; its exported model loads in evaluate.py."""
     ep4 = run("ep4_aux_free")
     out = tmp_path / "resumed"
     checkpoint = ep4 / "checkpoints" / "step_3"
@@ -130,6 +130,12 @@ def test_checkpoint_of_ep4_resumes_at_ep2(run, data_cache, tmp_path):
     straight, resumed = train_losses(ep4), train_losses(out)
     assert sorted(resumed) == [4, 5, 6]
     assert all(abs(straight[s] - resumed[s]) <= 1e-5 for s in (4, 5, 6)), (straight, resumed)
+    # and on one process, where every expert is local
+    alone = tmp_path / "alone"
+    flags = [*AUX_FREE, "--batch_size", "16", "--resume_from_checkpoint", str(checkpoint)]
+    launch_tiny("train_ep.py", alone, data_cache, *flags, nproc=1)
+    resumed_alone = train_losses(alone)
+    assert all(abs(straight[s] - resumed_alone[s]) <= 1e-5 for s in (4, 5, 6)), (straight, resumed_alone)
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["n_experts"] == 4 and config["load_balance"] == "aux_free"
     result = tmp_path / "eval.json"
