@@ -104,7 +104,8 @@ def shard_expert_slices(expert_modules: list, replica_mesh, dp_size: int) -> Non
     slice, along dim 1 (dim 0, the experts, is EP's), and gathers it for the layer's forward and
     backward. The gradient of a rank's experts already holds every token of its ep group (the
     all-to-all's backward brought them); FSDP's reduce-scatter adds the dp / ep groups' and
-    divides by dp, as for every other parameter (each rank's loss was scaled by dp)."""
+    divides by dp, as for every other parameter (each rank's loss was scaled by dp). (docs/troubleshooting.md,
+    "FSDP with a gradient divide factor fails on gloo")"""
     for experts in expert_modules:
         fully_shard(experts, mesh=replica_mesh, shard_placement_fn=lambda param: Shard(1))  # FSDP: cut the slices
         experts.set_gradient_divide_factor(dp_size)  # FSDP: the sum over all dp ranks' tokens, / dp
