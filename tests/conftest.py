@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -140,6 +141,39 @@ def launch(
             f"exit {result.returncode}: {' '.join(result.args)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
         )
     return result
+
+
+# Runs `python scripts/<script> <args>` for several one-process cases in one interpreter (as __main__, with that
+# argv and environment), so that torch and the rest are imported once: for runs that are refused at start.
+ONE_INTERPRETER = """
+import contextlib, io, json, os, runpy, sys
+cases, results = json.loads(sys.argv[1]), []
+for script, args, env in cases:
+    saved, out, err, code = dict(os.environ), io.StringIO(), io.StringIO(), 0
+    os.environ.update(env)
+    sys.argv = [script, *args]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except Exception as error:
+            code, _ = 1, err.write(f"{type(error).__name__}: {error}")
+    os.environ.clear()
+    os.environ.update(saved)
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def run_refused(cases: list[tuple], timeout: float = LAUNCH_TIMEOUT) -> list[SimpleNamespace]:
+    """Each (script, args[, env]) as `python scripts/<script> <args>` would run it, all in one interpreter; for
+    each, its exit code and what it wrote to stdout and stderr. Only for runs that stop at start: a case that
+    trains would train in this interpreter, after the others."""
+    cases = [(str(SCRIPTS / c[0]), [str(a) for a in c[1]], c[2] if len(c) > 2 else {}) for c in cases]
+    result = run_cmd([sys.executable, "-c", ONE_INTERPRETER, json.dumps(cases)], timeout=timeout, env=job_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [SimpleNamespace(**r) for r in json.loads(result.stdout.strip().splitlines()[-1])]
 
 
 def read_metrics(output_dir) -> list[dict]:

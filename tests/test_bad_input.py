@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, TINY, free_port, job_env, launch, launch_cmd, launch_tiny, run_cmd
+from conftest import SCRIPTS, TINY, free_port, job_env, launch, launch_cmd, launch_tiny, run_cmd, run_refused
 
 
 def tree_digest(root: Path) -> str:
@@ -46,23 +46,33 @@ def finished_run(tmp_path_factory, data_cache):
     return out
 
 
-@pytest.mark.parametrize(
-    "flags, needles",
-    [
-        (["--dataset", "imagenet"], ["--dataset 'imagenet'", "addition or pystdlib"]),
-        (["--train_file", "no/such/file.txt"], ["--train_file no/such/file.txt", "no such file"]),
-        (["--validation_file", "tests/test_bad_input.py"], ["--validation_file needs --train_file"]),
-        (["--batch_size", "0"], ["--batch_size must be at least 1"]),
-        (["--block_size", "8"], ["--block_size 8 is shorter than one addition problem"]),
-        (["--model_size", "huge"], ["--model_size 'huge'"]),
-        (["--n_head", "5"], ["--n_embd 64 is not divisible by --n_head 5"]),
-        (["--resume_from_checkpoint", "latest"], ["--resume_from_checkpoint latest: no checkpoint"]),
-    ],
-)
-def test_refused_before_any_work(flags, needles, tmp_path, data_cache):
-    out = tmp_path / "run"
-    result = launch_tiny("train_ddp.py", out, data_cache, "--max_steps", "2", *flags, check=False)
-    assert_refused(result, *needles)
+REFUSED = [
+    (["--dataset", "imagenet"], ["--dataset 'imagenet'", "addition or pystdlib"]),
+    (["--train_file", "no/such/file.txt"], ["--train_file no/such/file.txt", "no such file"]),
+    (["--validation_file", "tests/test_bad_input.py"], ["--validation_file needs --train_file"]),
+    (["--batch_size", "0"], ["--batch_size must be at least 1"]),
+    (["--block_size", "8"], ["--block_size 8 is shorter than one addition problem"]),
+    (["--model_size", "huge"], ["--model_size 'huge'"]),
+    (["--n_head", "5"], ["--n_embd 64 is not divisible by --n_head 5"]),
+    (["--resume_from_checkpoint", "latest"], ["--resume_from_checkpoint latest: no checkpoint"]),
+]
+
+
+@pytest.fixture(scope="module")
+def refused_runs(tmp_path_factory, data_cache):
+    """train_ddp.py with each of REFUSED's flags, all in one interpreter: [(result, its output directory)]."""
+    root = tmp_path_factory.mktemp("refused")
+    outs = [root / str(i) for i in range(len(REFUSED))]
+    common = [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache]
+    cases = [("train_ddp.py", [*common, *flags, "--output_dir", out]) for (flags, _), out in zip(REFUSED, outs)]
+    return list(zip(run_refused(cases), outs))
+
+
+@pytest.mark.xdist_group("refused")
+@pytest.mark.parametrize("case", range(len(REFUSED)), ids=[flags[0].lstrip("-") for flags, _ in REFUSED])
+def test_refused_before_any_work(case, refused_runs):
+    result, out = refused_runs[case]
+    assert_refused(result, *REFUSED[case][1])
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
 
 
@@ -166,59 +176,78 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
     assert_refused_untouched(run, data_cache, flags, f"--resume_from_checkpoint {ckpt}")
 
 
-@pytest.mark.parametrize(
-    "script, nproc, flags, needles",
-    [
-        ("train_tp.py", 1, ["--tp_size", "2"], ["--tp_size 2", "does not divide the 1 processes"]),
-        (
-            "train_tp.py",
-            1,
-            ["--sequence_parallel"],
-            ["--sequence_parallel shards over the TP group, but --tp_size is 1"],
-        ),
-        ("train_tp.py", 2, ["--n_head", "1"], ["--tp_size 2 does not divide --n_head (1)"]),
-        (
-            "train_tp.py",
-            2,
-            ["--sequence_parallel"],
-            ["--sequence_parallel splits the 13-token sequence over --tp_size 2", "--addition_digits"],
-        ),
-        (
-            "train_pp.py",
-            1,
-            ["--schedule", "gpipe", "--stages_per_rank", "2"],
-            ["--stages_per_rank 2: --schedule gpipe runs one stage per rank"],
-        ),
-        ("train_pp.py", 1, ["--schedule", "dualpipe"], ["--schedule 'dualpipe' is not supported"]),
-        (
-            "train_pp.py",
-            2,
-            ["--n_layer", "1"],
-            ["--pp_size 2 x --stages_per_rank 1 = 2 stages, but the model has 1 units"],
-        ),
-        (
-            "train_pp.py",
-            2,
-            ["--batch_size", "6", "--n_microbatches", "4"],
-            ["--batch_size 6 cannot be split into --n_microbatches 4"],
-        ),
-        (
-            "train_pp.py",
-            2,
-            ["--schedule", "1f1b", "--n_microbatches", "1", "--batch_size", "4"],
-            ["--n_microbatches 1 is fewer than the 2 pipeline ranks"],
-        ),
-        ("train_fsdp.py", 1, ["--cpu_offload"], ["--cpu_offload", "already on the CPU: drop it"]),
-        ("train_hybrid.py", 1, ["--tp_size", "2", "--dp_shard", "1"], ["= 2, but 1 processes were started"]),
-        (
-            "train_hybrid.py",
-            1,
-            ["--tp_size", "-1", "--dp_shard", "-1"],
-            ["only one of --dp_shard, --tp_size may be -1"],
-        ),
-        ("train_hybrid.py", 2, ["--tp_size", "2", "--n_head", "1"], ["--tp_size 2 does not divide --n_head (1)"]),
-    ],
-)
+SHARDED_REFUSED = [
+    ("train_tp.py", 1, ["--tp_size", "2"], ["--tp_size 2", "does not divide the 1 processes"]),
+    (
+        "train_tp.py",
+        1,
+        ["--sequence_parallel"],
+        ["--sequence_parallel shards over the TP group, but --tp_size is 1"],
+    ),
+    ("train_tp.py", 2, ["--n_head", "1"], ["--tp_size 2 does not divide --n_head (1)"]),
+    (
+        "train_tp.py",
+        2,
+        ["--sequence_parallel"],
+        ["--sequence_parallel splits the 13-token sequence over --tp_size 2", "--addition_digits"],
+    ),
+    (
+        "train_pp.py",
+        1,
+        ["--schedule", "gpipe", "--stages_per_rank", "2"],
+        ["--stages_per_rank 2: --schedule gpipe runs one stage per rank"],
+    ),
+    ("train_pp.py", 1, ["--schedule", "dualpipe"], ["--schedule 'dualpipe' is not supported"]),
+    (
+        "train_pp.py",
+        2,
+        ["--n_layer", "1"],
+        ["--pp_size 2 x --stages_per_rank 1 = 2 stages, but the model has 1 units"],
+    ),
+    (
+        "train_pp.py",
+        2,
+        ["--batch_size", "6", "--n_microbatches", "4"],
+        ["--batch_size 6 cannot be split into --n_microbatches 4"],
+    ),
+    (
+        "train_pp.py",
+        2,
+        ["--schedule", "1f1b", "--n_microbatches", "1", "--batch_size", "4"],
+        ["--n_microbatches 1 is fewer than the 2 pipeline ranks"],
+    ),
+    ("train_fsdp.py", 1, ["--cpu_offload"], ["--cpu_offload", "already on the CPU: drop it"]),
+    ("train_hybrid.py", 1, ["--tp_size", "2", "--dp_shard", "1"], ["= 2, but 1 processes were started"]),
+    (
+        "train_hybrid.py",
+        1,
+        ["--tp_size", "-1", "--dp_shard", "-1"],
+        ["only one of --dp_shard, --tp_size may be -1"],
+    ),
+    ("train_hybrid.py", 2, ["--tp_size", "2", "--n_head", "1"], ["--tp_size 2 does not divide --n_head (1)"]),
+]
+ONE_PROCESS = [c for c in SHARDED_REFUSED if c[1] == 1]
+
+
+@pytest.fixture(scope="module")
+def one_process_refusals(tmp_path_factory, data_cache):
+    """The one-process cases of SHARDED_REFUSED, all in one interpreter: [(result, its output directory)]."""
+    root = tmp_path_factory.mktemp("sharded_refused")
+    outs = [root / str(i) for i in range(len(ONE_PROCESS))]
+    common = [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache]
+    cases = [(script, [*common, *flags, "--output_dir", out]) for (script, _, flags, _), out in zip(ONE_PROCESS, outs)]
+    return list(zip(run_refused(cases), outs))
+
+
+@pytest.mark.xdist_group("refused")
+@pytest.mark.parametrize("case", range(len(ONE_PROCESS)))
+def test_sharded_scripts_refuse_before_any_work_on_one_process(case, one_process_refusals):
+    result, out = one_process_refusals[case]
+    assert_refused(result, *ONE_PROCESS[case][3])
+    assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
+
+
+@pytest.mark.parametrize("script, nproc, flags, needles", [c for c in SHARDED_REFUSED if c[1] > 1])
 def test_sharded_scripts_refuse_before_any_work(script, nproc, flags, needles, tmp_path, data_cache):
     out = tmp_path / "run"
     result = launch_tiny(script, out, data_cache, "--max_steps", "2", *flags, nproc=nproc, check=False, timeout=120)
