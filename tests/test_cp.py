@@ -7,7 +7,18 @@ import sys
 import pytest
 from test_bad_input import assert_refused
 
-from conftest import REPO, TINY, free_port, job_env, launch_tiny, resume_matches, run_cmd, summary, train_losses
+from conftest import (
+    REPO,
+    TINY,
+    free_port,
+    job_env,
+    launch_tiny,
+    resume_matches,
+    run_cmd,
+    run_refused,
+    summary,
+    train_losses,
+)
 
 sys.path.insert(0, str(REPO / "scripts"))
 from train_cp import blocks_per_rank, contiguous_chunks, head_tail_chunks
@@ -120,9 +131,12 @@ def test_bad_input_is_refused_with_one_line(tmp_path, text_files, data_cache):
     sequence length that 2 x cp does not divide (254 tokens, cp 2: 4 chunks): one error line each, nothing
     written."""
     out = tmp_path / "run"
-    result = launch_tiny("train_cp.py", out, data_cache, *flags(text_files, 4), "--cp_size", "2", check=False)
-    assert_refused(result, "--cp_size 2 does not divide the 1 processes", "use a --cp_size that divides 1")
-    result = launch_tiny("train_cp.py", out, data_cache, *flags(text_files, 4), "--cp_impl", "torch", check=False)
+    common = [*TINY, *flags(text_files, 4), "--data_cache_dir", data_cache, "--output_dir", out]
+    cp2, torch_impl = run_refused(  # the one-process cases, in one interpreter
+        [("train_cp.py", [*common, "--cp_size", "2"]), ("train_cp.py", [*common, "--cp_impl", "torch"])]
+    )
+    assert_refused(cp2, "--cp_size 2 does not divide the 1 processes", "use a --cp_size that divides 1")
+    result = torch_impl
     assert_refused(  # PyTorch's context_parallel on a CPU: the two errors it would meet, and the fix
         result, "does not have a sharding strategy registered", "pytorch#147793", "use --cp_impl ring"
     )

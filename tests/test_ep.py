@@ -4,7 +4,6 @@ resumed at ep 2; and the bad input it refuses before any process group exists.""
 
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,11 +13,10 @@ from conftest import (
     TINY,
     assert_layout,
     assert_matches_reference,
-    job_env,
     launch,
     launch_tiny,
     read_metrics,
-    run_cmd,
+    run_refused,
     train_losses,
 )
 
@@ -190,15 +188,13 @@ BAD_INPUT = [
 def test_bad_input_is_one_line(tmp_path):
     """E not divisible by ep, top_k > E, ep not dividing the data-parallel degree: checked from the flags
     and the launcher's WORLD_SIZE before any process group exists, so each gives one `error:` line with
-    the fix, exit 2, nothing written (a 4-process launch fails the same way). The three run side by side."""
-
-    def refused(i: int):
-        flags, _ = BAD_INPUT[i]
-        cmd = [sys.executable, str(SCRIPTS / "train_ep.py"), *TINY, *flags, "--output_dir", str(tmp_path / str(i))]
-        return run_cmd(cmd, env=job_env(WORLD_SIZE="4"), timeout=120)
-
-    with ThreadPoolExecutor(len(BAD_INPUT)) as pool:
-        results = list(pool.map(refused, range(len(BAD_INPUT))))
+    the fix, exit 2, nothing written (a 4-process launch fails the same way). The three run in one
+    interpreter, one after the other, each as `python scripts/train_ep.py` with WORLD_SIZE=4."""
+    cases = [
+        ("train_ep.py", [*TINY, *flags, "--output_dir", tmp_path / str(i)], {"WORLD_SIZE": "4"})
+        for i, (flags, _) in enumerate(BAD_INPUT)
+    ]
+    results = run_refused(cases)
     for i, ((_, needles), result) in enumerate(zip(BAD_INPUT, results, strict=True)):
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]

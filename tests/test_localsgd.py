@@ -17,6 +17,7 @@ from conftest import (
     launch_tiny,
     read_metrics,
     run_cmd,
+    run_refused,
     train_losses,
 )
 
@@ -228,19 +229,21 @@ def test_merge_of_missing_rank_models_names_save_rank_models(tmp_path):
 
 @K4_GROUP
 def test_bad_input(k4_run, tmp_path, data_cache):
-    result = launch("train_localsgd.py", [*TINY, "--sync_every", "0", "--output_dir", str(tmp_path / "a")], check=False)
-    assert_one_error(result, "--sync_every must be at least 1")
-    assert not (tmp_path / "a").exists()
-    for flags, needle in [
+    refused = [  # one-process runs refused at start: in one interpreter, one after the other
+        (["--sync_every", "0"], "--sync_every must be at least 1"),
         (["--sync_every", "4", "--fragments", "3"], "--fragments 3 must divide --sync_every 4"),
         (["--outer_optimizer", "nesterov", "--outer_lr", "0"], "the outer learning rate must be above 0"),
         (["--outer_dtype", "bf16"], "--outer_dtype bf16 needs --outer_optimizer nesterov"),
         (["--sync_every", "3", "--fragments", "3"], "the model has 2 blocks"),
-    ]:
-        out = tmp_path / "f"
-        result = launch_tiny("train_localsgd.py", out, data_cache, *flags, check=False)
+    ]
+    common = [*TINY, "--data_cache_dir", data_cache]
+    cases = [
+        ("train_localsgd.py", [*common, *flags, "--output_dir", tmp_path / f"f{i}"])
+        for i, (flags, _) in enumerate(refused)
+    ]
+    for i, ((_, needle), result) in enumerate(zip(refused, run_refused(cases), strict=True)):
         assert_one_error(result, needle)
-        assert not out.exists()
+        assert not (tmp_path / f"f{i}").exists()
 
     cmd = accelerate_launch_cmd(
         ["--use_fsdp", "--num_processes", "2", "--num_machines", "1", "--main_process_port", str(free_port())],
@@ -254,17 +257,18 @@ def test_bad_input(k4_run, tmp_path, data_cache):
         "train_ddp.py",
         [*TINY, "--n_layer", "3", "--max_steps", "1", "--data_cache_dir", data_cache, "--output_dir", str(other)],
     )
-    assert_one_error(
-        run_cmd([*MERGE, str(k4_run / "model"), str(other / "model"), "--out", str(tmp_path / "m")]),
-        "only models of one config",
-    )
-    assert_one_error(
-        run_cmd([*MERGE, str(k4_run / "model"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "m")]),
-        "no model.safetensors",
-    )
-    assert not (tmp_path / "m").exists()
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
-    assert_one_error(run_cmd([*MERGE, str(k4_run / "model"), "--out", str(existing)]), "already exists")
+    other_config, nowhere, already = run_refused(
+        [
+            ("merge_checkpoints.py", [k4_run / "model", other / "model", "--out", tmp_path / "m"]),
+            ("merge_checkpoints.py", [k4_run / "model", tmp_path / "nowhere", "--out", tmp_path / "m"]),
+            ("merge_checkpoints.py", [k4_run / "model", "--out", existing]),
+        ]
+    )
+    assert_one_error(other_config, "only models of one config")
+    assert_one_error(nowhere, "no model.safetensors")
+    assert not (tmp_path / "m").exists()
+    assert_one_error(already, "already exists")
     assert (existing / "keep.txt").read_text() == "mine"
