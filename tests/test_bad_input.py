@@ -31,13 +31,6 @@ def assert_refused(result, *needles: str) -> None:
         assert needle in errors[0], errors[0]
 
 
-def assert_refused_untouched(run: Path, data_cache: str, flags: list[str], *needles: str) -> None:
-    """train_ddp.py with `flags` on the existing run `run` is refused and leaves `run` as it was."""
-    before = tree_digest(run)
-    assert_refused(launch_tiny("train_ddp.py", run, data_cache, *flags, check=False), *needles)
-    assert tree_digest(run) == before
-
-
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, data_cache):
     """A short run with checkpoints at steps 2 and 4 and a final model."""
@@ -137,30 +130,18 @@ def test_block_size_longer_than_the_validation_data(tmp_path, data_cache):
     assert_refused(result, "--block_size 32 is longer than the validation split allows")
 
 
-def test_new_run_does_not_overwrite_an_old_one(finished_run, data_cache):
-    flags = ["--max_steps", "2"]
-    assert_refused_untouched(finished_run, data_cache, flags, "already holds a run", "--overwrite_output_dir")
+# Runs refused on an existing run: train_ddp.py with these flags on the finished run (or on a damaged copy
+# of it), all in one interpreter; each must leave its run as it was.
+ON_THE_RUN = {
+    "overwrite": ["--max_steps", "2"],
+    "model_size": ["--n_layer", "3", "--max_steps", "6", "--resume_from_checkpoint", "latest"],
+    "global_batch": ["--batch_size", "32", "--max_steps", "6", "--resume_from_checkpoint", "latest"],
+}
+DAMAGES = ["no_metadata", "bad_state_json", "truncated_shard", "not_a_checkpoint"]
 
 
-def test_resume_with_another_model_size_is_refused(finished_run, data_cache):
-    flags = ["--n_layer", "3", "--max_steps", "6", "--resume_from_checkpoint", "latest"]
-    assert_refused_untouched(
-        finished_run,
-        data_cache,
-        flags,
-        "saved by another model",
-        "blocks.2.ln_1.weight: absent in the checkpoint, [64] in this model",
-    )
-
-
-def test_resume_with_another_global_batch_is_refused(finished_run, data_cache):
-    flags = ["--batch_size", "32", "--max_steps", "6", "--resume_from_checkpoint", "latest"]
-    assert_refused_untouched(finished_run, data_cache, flags, "global batch 64, this run has 32")
-
-
-@pytest.mark.parametrize("damage", ["no_metadata", "bad_state_json", "truncated_shard", "not_a_checkpoint"])
-def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_path, data_cache):
-    run = tmp_path / "run"
+def damaged_copy(finished_run: Path, damage: str, run: Path) -> Path:
+    """A copy of the finished run at `run`, damaged; returns the path to resume from."""
     shutil.copytree(finished_run, run)
     ckpt = run / "checkpoints" / "step_4"
     if damage == "no_metadata":
@@ -172,8 +153,57 @@ def test_partial_or_unreadable_checkpoint_is_refused(finished_run, damage, tmp_p
         shard.write_bytes(shard.read_bytes()[:100])
     else:
         ckpt = run / "model"
-    flags = ["--max_steps", "6", "--resume_from_checkpoint", str(ckpt)]
-    assert_refused_untouched(run, data_cache, flags, f"--resume_from_checkpoint {ckpt}")
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def refused_on_runs(finished_run, tmp_path_factory, data_cache):
+    """name -> (result, the run it was pointed at, the run's digest before)."""
+    runs = {name: (finished_run, flags) for name, flags in ON_THE_RUN.items()}
+    root = tmp_path_factory.mktemp("damaged")
+    for damage in DAMAGES:
+        ckpt = damaged_copy(finished_run, damage, root / damage)
+        runs[damage] = (root / damage, ["--max_steps", "6", "--resume_from_checkpoint", str(ckpt)])
+    before = {name: tree_digest(run) for name, (run, _) in runs.items()}
+    common = [*TINY, "--data_cache_dir", data_cache]
+    cases = [("train_ddp.py", [*common, *flags, "--output_dir", run]) for run, flags in runs.values()]
+    results = run_refused(cases)
+    return {name: (result, run, before[name]) for (name, (run, _)), result in zip(runs.items(), results, strict=True)}
+
+
+def assert_refused_untouched(refused_on_runs: dict, name: str, *needles: str) -> None:
+    """The run `name` was refused and left its run as it was."""
+    result, run, before = refused_on_runs[name]
+    assert_refused(result, *needles)
+    assert tree_digest(run) == before
+
+
+@pytest.mark.xdist_group("refused")
+def test_new_run_does_not_overwrite_an_old_one(refused_on_runs):
+    assert_refused_untouched(refused_on_runs, "overwrite", "already holds a run", "--overwrite_output_dir")
+
+
+@pytest.mark.xdist_group("refused")
+def test_resume_with_another_model_size_is_refused(refused_on_runs):
+    assert_refused_untouched(
+        refused_on_runs,
+        "model_size",
+        "saved by another model",
+        "blocks.2.ln_1.weight: absent in the checkpoint, [64] in this model",
+    )
+
+
+@pytest.mark.xdist_group("refused")
+def test_resume_with_another_global_batch_is_refused(refused_on_runs):
+    assert_refused_untouched(refused_on_runs, "global_batch", "global batch 64, this run has 32")
+
+
+@pytest.mark.xdist_group("refused")
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_partial_or_unreadable_checkpoint_is_refused(refused_on_runs, damage):
+    run = refused_on_runs[damage][1]
+    ckpt = run / "model" if damage == "not_a_checkpoint" else run / "checkpoints" / "step_4"
+    assert_refused_untouched(refused_on_runs, damage, f"--resume_from_checkpoint {ckpt}")
 
 
 SHARDED_REFUSED = [
