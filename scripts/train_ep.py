@@ -114,8 +114,9 @@ def shard_expert_slices(expert_modules: list, replica_mesh, dp_size: int) -> Non
 
 
 def ep_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
-    """Forward and backward of this rank's micro-batches, then the experts' gradients; returns the
-    loss sum (normalised by the target count of the whole global batch, as in train_fsdp.py)."""
+    """Forward and backward of this rank's micro-batches (FSDP reduces every gradient, the experts'
+    over the dp / ep groups); returns the loss sum (normalised by the target count of the whole
+    global batch, as in train_fsdp.py)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for i, mb in enumerate(micro_batches):
         if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
