@@ -144,7 +144,8 @@ def launch(
 
 
 # Runs `python scripts/<script> <args>` for several one-process cases in one interpreter (as __main__, with that
-# argv and environment), so that torch and the rest are imported once: for runs that are refused at start.
+# argv and environment), so that torch and the rest are imported once: for runs that stop at start (a refusal,
+# --help).
 ONE_INTERPRETER = """
 import contextlib, io, json, os, runpy, sys
 cases, results = json.loads(sys.argv[1]), []

@@ -11,16 +11,16 @@ appear in `python scripts/<name>.py --help`.
 from __future__ import annotations
 
 import functools
-import json
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import unquote
 
 import pytest
+
+from conftest import run_refused
 
 # one xdist worker runs these tests: every script's --help is run once (all_help), not once per worker
 pytestmark = pytest.mark.xdist_group("docs")
@@ -118,36 +118,12 @@ def documented_commands() -> list[tuple[str, int, str, list[str]]]:
     return found
 
 
-# Runs each script's `--help` as `python scripts/<name>.py --help` would (as __main__, with that argv), all in one
-# interpreter: torch and the rest are imported once instead of once per script.
-HELP_DRIVER = """
-import contextlib, io, json, runpy, sys
-results = {}
-for name in sys.argv[1:]:
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    sys.argv = [f"scripts/{name}.py", "--help"]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(f"scripts/{name}.py", run_name="__main__")
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        except Exception as error:
-            code, _ = 1, err.write(repr(error))
-    results[name] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
-print(json.dumps(results))
-"""
-
-
 @functools.lru_cache(maxsize=None)
 def all_help() -> dict[str, SimpleNamespace]:
-    """`python scripts/<name>.py --help` of every documented script, once each, with this
-    interpreter, from the repository root."""
+    """`python scripts/<name>.py --help` of every documented script, once each, all in one interpreter
+    (torch is imported once)."""
     names = sorted({name for _, _, name, _ in COMMANDS if (REPO / "scripts" / f"{name}.py").is_file()})
-    result = subprocess.run(
-        [sys.executable, "-c", HELP_DRIVER, *names], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {name: SimpleNamespace(**r) for name, r in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    return dict(zip(names, run_refused([(f"{name}.py", ["--help"]) for name in names]), strict=True))
 
 
 def help_text(name: str) -> str:
