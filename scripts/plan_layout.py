@@ -799,14 +799,12 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
     with torch.device("meta"):
         model = GPT(cfg)
     total = count_parameters(model)
-    expert_params = [p for n, p in model.named_parameters() if ".experts." in n]
-    experts = sum(p.numel() for p in expert_params)
-    slices = args.world_size // ep  # the dp / ep groups that cut each rank's experts again (dim 1, padded)
-    held = sum(p.shape[0] // ep * -(-p.shape[1] // slices) * p[0, 0].numel() for p in expert_params)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    slices = args.world_size // ep  # the dp / ep groups that cut each rank's experts again (dim 1)
     n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
     active = total - experts * (cfg.n_experts - cfg.top_k) // cfg.n_experts
     per_state = 4 if args.optimizer == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
-    expert_bytes = 4 * held
+    expert_bytes = 4 * experts // args.world_size  # E / ep experts, cut over dp / ep: E / dp experts' worth
     gathered_bytes = 4 * experts // ep // max(n_moe, 1)  # one MoE layer's E / ep experts, whole
     dense_bytes = 4 * (total - experts) / args.world_size
     act_bytes = 2 if args.mixed_precision == "bf16" else 4

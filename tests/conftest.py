@@ -159,7 +159,8 @@ for script, args, env in cases:
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         except Exception as error:
-            code, _ = 1, err.write(f"{type(error).__name__}: {error}")
+            code = 1
+            err.write(f"{type(error).__name__}: {error}")
     os.environ.clear()
     os.environ.update(saved)
     results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
