@@ -12,6 +12,19 @@ The data set is the one the model was trained on (model/data.json); naming anoth
 (--dataset, --dataset_name or --train_file) replaces it whole, and the other data flags override it.
 Prints one JSON object (eval_loss, exact_match or perplexity, num_samples) and writes it to
 --output_file if given.
+
+A model of your own (a Task subclass of common.task.Task trained it) is rebuilt and scored by its
+Task, which then needs two more methods; the Task is made with no arguments:
+
+    build_model(self, config) -> nn.Module   the model, from model/config.json (what Task.config() wrote);
+                                             model.safetensors is then loaded into it, strictly
+    validation_data(self) -> dataset         the validation split, rows as the training script's data
+                                             section gives them (len() and [i]; the same on every process)
+
+    python scripts/evaluate.py --model_dir runs/regression/model --task regression.py:RegressionTask
+
+The training run records where its Task lives (model/task.json), so --task may be left out where
+that file still exists. The figures are the Task's own (Task.eval_metrics) and num_samples.
 """
 
 import argparse
@@ -23,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 
-from common.checkpoint import load_exported
+from common.checkpoint import load_exported, task_spec_for
 from common.data import SOURCE_DEFAULTS, SOURCE_KEYS, add_data_args, check_data_args, load_data
 from common.errors import UsageError
 from common.launch import HelpFormatter, make_accelerator, run_main
@@ -34,6 +47,14 @@ from common.task import logits_of
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model_dir", required=True, help="a saved model: OUTPUT_DIR/model of a training run")
+    p.add_argument(
+        "--task",
+        metavar="FILE.py:Class",
+        help="a model of your own: the file (or module:Class, importable from the current directory) and class of "
+        "the Task that trained it; it rebuilds the model (Task.build_model(config)) and gives the data "
+        "(Task.validation_data()) (default: the Task recorded in --model_dir's task.json, for a model that is "
+        "neither the built-in GPT nor a 🤗 model)",
+    )
     p.add_argument("--output_file", help="also write the JSON result here")
     p.add_argument("--batch_size", type=int, default=250, help="evaluation batch per process")
     p.add_argument(
@@ -100,23 +121,60 @@ def show_samples(model, validation, task: str, n: int, device, tokenizer=None) -
             print(f"--- prompt: {decode(prompt.tolist())!r}\n    continuation: {out!r}")
 
 
+def own_validation_data(task, named_by: str, args):
+    """The validation split of a model of your own: its Task's validation_data(), on every process."""
+    given = [f"--{key}" for key in SOURCE_KEYS if getattr(args, key) is not None]
+    name = type(task).__name__
+    if given:
+        raise UsageError(
+            f"{given[0]}: a model of your own is scored on its Task's validation_data() ({name}), not on the data "
+            f"flags: drop {' '.join(given)}"
+        )
+    if args.generate:
+        raise UsageError(f"--generate prints samples of the built-in data sets; a model of your own ({name}) has none")
+    if not callable(getattr(task, "validation_data", None)):
+        raise UsageError(
+            f"{named_by}: {name} has no validation_data(): add `def validation_data(self): return <dataset>`, the "
+            "validation split as your training script's data section makes it (rows with len() and [i]) "
+            '(docs/your-model.md, "Evaluating your model with evaluate.py")'
+        )
+    try:
+        validation = task.validation_data()
+        n = len(validation)
+    except Exception as e:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        raise UsageError(
+            f"{named_by}: {name}.validation_data() failed ({why}): it must return rows with len()"
+        ) from None
+    if n == 0:
+        raise UsageError(f"{named_by}: {name}.validation_data() returned no rows: there is nothing to evaluate")
+    return validation
+
+
 def main():
     parser = build_parser()
     known, _ = parser.parse_known_args()
-    model, task, source = load_exported(known.model_dir)
-    parser.set_defaults(**model_data_defaults(source, known))
+    own_task = task_spec_for(known.model_dir, known.task)  # a model of your own: (its Task, who named it)
+    model, task, source = load_exported(known.model_dir, own_task)
+    if own_task is None:  # the data flags default to the data the model was trained on
+        parser.set_defaults(**model_data_defaults(source, known))
     args = parser.parse_args()
     if args.batch_size < 1 or args.generate < 0:
         raise UsageError("--batch_size must be at least 1 and --generate not negative")
-    check_data_args(args)
+    if own_task is None:
+        check_data_args(args)
+    else:  # your own model: your own data, from its Task
+        validation = own_validation_data(task, own_task[1], args)
     args.report_to, args.output_dir = "none", None
 
     accelerator = make_accelerator(args)  # Accelerate: process group, device
-    data = load_data(args, accelerator, task.tokens_per_sample, getattr(task, "tokenizer", None))
-    task.tokens_per_sample, task.data_task = data.seq_len, data.task  # what the model is scored on
+    if own_task is None:
+        data = load_data(args, accelerator, task.tokens_per_sample, getattr(task, "tokenizer", None))
+        task.tokens_per_sample, task.data_task = data.seq_len, data.task  # what the model is scored on
+        validation = data.validation
     model = accelerator.prepare_model(model, evaluation_mode=True)  # Accelerate: to device, no DDP wrapper
     # each process scores every N-th sample; the sums are added over the processes: each sample counts once
-    result = evaluate(accelerator, model, task, data.validation, args.batch_size)
+    result = evaluate(accelerator, model, task, validation, args.batch_size)
     if accelerator.is_main_process:
         print(json.dumps(result))
         if args.output_file:
@@ -124,7 +182,7 @@ def main():
             Path(args.output_file).write_text(json.dumps(result) + "\n")
         if args.generate:
             tokenizer = getattr(task, "tokenizer", None)
-            show_samples(model.eval(), data.validation, data.task, args.generate, accelerator.device, tokenizer)
+            show_samples(model.eval(), validation, data.task, args.generate, accelerator.device, tokenizer)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: destroys the process group
 

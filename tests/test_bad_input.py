@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, TINY, free_port, job_env, launch, launch_cmd, launch_tiny, run_cmd, run_refused
+from conftest import SCRIPTS, TINY, free_port, job_env, launch_cmd, launch_tiny, run_cmd, run_refused
 
 
 def tree_digest(root: Path) -> str:
@@ -138,6 +138,13 @@ ON_THE_RUN = {
     "global_batch": ["--batch_size", "32", "--max_steps", "6", "--resume_from_checkpoint", "latest"],
 }
 DAMAGES = ["no_metadata", "bad_state_json", "truncated_shard", "not_a_checkpoint"]
+# A damaged file found by the integrity check (trainer_state.json records every file's size and sha256):
+# damage -> (the file, what the line says of it)
+DAMAGED_FILES = {
+    "scheduler_overwritten": ("scheduler.pt", "is damaged (its sha256 differs"),  # the same size: the digest
+    "rng_missing": ("rng/rank_0.pt", "is missing"),
+    "model_shard_truncated": ("state/__0_0.distcp", "is damaged (100 bytes, "),
+}
 
 
 def damaged_copy(finished_run: Path, damage: str, run: Path) -> Path:
@@ -151,9 +158,21 @@ def damaged_copy(finished_run: Path, damage: str, run: Path) -> Path:
     elif damage == "truncated_shard":
         shard = next((ckpt / "state").glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[:100])
-    else:
+    elif damage == "not_a_checkpoint":
         ckpt = run / "model"
+    else:
+        damage_file(ckpt / DAMAGED_FILES[damage][0], DAMAGED_FILES[damage][1])
     return ckpt
+
+
+def damage_file(file: Path, how: str) -> None:
+    """Damage `file` the way the integrity check's line names: removed, truncated, or overwritten in place."""
+    if how == "is missing":
+        file.unlink()
+    elif how.startswith("is damaged (100 bytes"):
+        file.write_bytes(file.read_bytes()[:100])
+    else:
+        file.write_bytes(bytes(b ^ 0xFF for b in file.read_bytes()))
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +180,7 @@ def refused_on_runs(finished_run, tmp_path_factory, data_cache):
     """name -> (result, the run it was pointed at, the run's digest before)."""
     runs = {name: (finished_run, flags) for name, flags in ON_THE_RUN.items()}
     root = tmp_path_factory.mktemp("damaged")
-    for damage in DAMAGES:
+    for damage in [*DAMAGES, *DAMAGED_FILES]:
         ckpt = damaged_copy(finished_run, damage, root / damage)
         runs[damage] = (root / damage, ["--max_steps", "6", "--resume_from_checkpoint", str(ckpt)])
     before = {name: tree_digest(run) for name, (run, _) in runs.items()}
@@ -204,6 +223,62 @@ def test_partial_or_unreadable_checkpoint_is_refused(refused_on_runs, damage):
     run = refused_on_runs[damage][1]
     ckpt = run / "model" if damage == "not_a_checkpoint" else run / "checkpoints" / "step_4"
     assert_refused_untouched(refused_on_runs, damage, f"--resume_from_checkpoint {ckpt}")
+
+
+@pytest.mark.xdist_group("refused")
+@pytest.mark.parametrize("damage", list(DAMAGED_FILES))
+def test_every_file_of_a_checkpoint_is_checked(refused_on_runs, damage):
+    """Any file the checkpoint wrote, damaged or gone: one line naming it, and the earlier checkpoint to resume."""
+    checkpoints = refused_on_runs[damage][1] / "checkpoints"
+    name, what = DAMAGED_FILES[damage]
+    needles = [f"--resume_from_checkpoint {checkpoints / 'step_4'}: {name} {what}", "cannot be resumed"]
+    assert_refused_untouched(
+        refused_on_runs, damage, *needles, f"--resume_from_checkpoint {checkpoints / 'step_2'}", "start over"
+    )
+
+
+# DiLoCo on 2 processes: every rank saves its own replica (no_dist DCP) and the outer state (extra_state.pt)
+DILOCO = ["--outer_optimizer", "nesterov", "--sync_every", "2", "--checkpoint_every", "2", "--keep_last", "0"]
+SINGLE_PROCESS_WARNING = "assuming the intent is to"  # DCP's "... is disabled ... assuming ... a single process"
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory, data_cache):
+    """A 2-process DiLoCo run with checkpoints at steps 2 and 4 and a final model: (its directory, its launch)."""
+    out = tmp_path_factory.mktemp("diloco") / "run"
+    return out, launch_tiny("train_localsgd.py", out, data_cache, *DILOCO, "--max_steps", "4", nproc=2)
+
+
+@pytest.mark.xdist_group("diloco")
+def test_each_rank_saving_its_replica_gives_no_single_process_warning(diloco_run, tmp_path, data_cache):
+    """Each rank writes (and reads back) its own replica without collectives, on purpose: DCP's warning that it
+    assumes a single process would contradict the 2-process run, on save and on resume."""
+    run, saved = diloco_run
+    assert (run / "checkpoints" / "step_4" / "state" / "rank_1").is_dir()
+    assert SINGLE_PROCESS_WARNING not in saved.stderr, saved.stderr[-3000:]
+    shutil.copytree(run, tmp_path / "run")
+    flags = [*DILOCO, "--max_steps", "6", "--resume_from_checkpoint", "latest"]
+    resumed = launch_tiny("train_localsgd.py", tmp_path / "run", data_cache, *flags, nproc=2)
+    assert (tmp_path / "run" / "checkpoints" / "step_6").is_dir()  # it resumed, and saved again
+    assert SINGLE_PROCESS_WARNING not in resumed.stderr, resumed.stderr[-3000:]
+
+
+@pytest.mark.xdist_group("diloco")
+def test_a_damaged_outer_state_is_one_line_on_every_rank(diloco_run, tmp_path, data_cache):
+    """DiLoCo's extra_state.pt, truncated: one line naming it (not torch.load's traceback on every rank)."""
+    run = tmp_path / "run"
+    shutil.copytree(diloco_run[0], run)
+    extra_state = run / "checkpoints" / "step_4" / "extra_state.pt"
+    extra_state.write_bytes(extra_state.read_bytes()[:100])
+    before = tree_digest(run)
+    flags = [*DILOCO, "--max_steps", "6", "--resume_from_checkpoint", "latest"]
+    result = launch_tiny("train_localsgd.py", run, data_cache, *flags, nproc=2, check=False, timeout=120)
+    assert_refused(
+        result,
+        f"--resume_from_checkpoint {run / 'checkpoints' / 'step_4'}: extra_state.pt is damaged (100 bytes, ",
+        f"resume from an earlier checkpoint (--resume_from_checkpoint {run / 'checkpoints' / 'step_2'})",
+    )
+    assert tree_digest(run) == before
 
 
 SHARDED_REFUSED = [
@@ -295,17 +370,6 @@ def test_sharded_script_refuses_an_accelerate_fsdp_launch(tmp_path, data_cache):
     )
     assert_refused(result, "also asked Accelerate for FSDP")
     assert not out.exists()
-
-
-def test_evaluate_names_a_model_of_your_own(tmp_path):
-    """evaluate.py rebuilds the built-in GPT and 🤗 models; a folder exported by a Task of the user's own
-    (its config.json names no known model) gets one line saying where that model is evaluated."""
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text('{"task": "regression"}')
-    (model_dir / "model.safetensors").write_bytes(b"")
-    result = launch("evaluate.py", ["--model_dir", str(model_dir)], check=False)
-    assert_refused(result, "neither the built-in GPT's nor a 🤗 model's", "docs/your-model.md")
 
 
 def test_a_model_without_the_unit_container_is_refused(tmp_path, data_cache):

@@ -4,15 +4,20 @@
         state/               model + optimizer through torch.distributed.checkpoint (DCP), under
                              the full model's parameter names: each rank writes what it owns, so
                              the same format serves replicated (DDP) and sharded strategies
-        trainer_state.json   step, data position, global batch, model config (written last)
+        trainer_state.json   step, data position, global batch, model config, and the size and
+                             sha256 of every other file of the checkpoint (written last)
         scheduler.pt         LR schedule
         rng/rank_<r>.pt      every rank's RNG (python, numpy, torch, cuda)
-    OUTPUT_DIR/model/        model.safetensors + config.json (+ data.json: which data it learned)
+        extra_state.pt       a strategy's own state, if it has one (DiLoCo's outer optimizer)
+    OUTPUT_DIR/model/        model.safetensors + config.json (+ data.json: which data it learned,
+                             + task.json: where a Task of the user's own lives, for evaluate.py)
 
 A checkpoint is written to `checkpoints/.tmp_step_<N>` and renamed when every rank has written
 its part; only then are older ones deleted (`--keep_last`). So a save killed at any moment leaves
 the previous complete checkpoint, and `latest`/`auto` never pick a partial one
-(docs/fault-tolerance.md, "A kill in the middle of a save"). All ranks must call
+(docs/fault-tolerance.md, "A kill in the middle of a save"). A resume first checks every file
+against the sizes and digests trainer_state.json records, so a damaged file is one line naming it
+before anything is loaded or written. All ranks must call
 save/load/export: they are collectives (docs/troubleshooting.md, "A hang when saving"); only file
 writes that need one writer are the main process's. Checkpoints and `model/` need a file system
 shared by all machines.
@@ -20,11 +25,18 @@ shared by all machines.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import inspect
 import json
 import os
 import random
 import re
 import shutil
+import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +54,7 @@ from .errors import NothingToDo, UsageError
 
 STATE_FILE = "trainer_state.json"
 EXTRA_STATE_FILE = "extra_state.pt"  # a strategy's own state (save_checkpoint(extra_state=...))
+TASK_FILE = "task.json"  # in model/: where a Task of the user's own lives (evaluate.py rebuilds the model with it)
 # Optimizer state keyed by parameter name ("optim.state.blocks.3.mlp.up_proj.weight.exp_avg"),
 # not by position in a param group: pipeline stages hold different parameters in "the same"
 # groups, and another layout must find each parameter's state by its name.
@@ -96,6 +109,66 @@ def read_checkpoint_state(path: Path) -> dict:
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
     return state
+
+
+def _file_record(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return {"bytes": path.stat().st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _on_every_rank(mine: dict) -> dict:
+    """The union of every rank's dict (each rank reads its share of the files: the work is spread)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, mine)
+    return {k: v for part in every_rank for k, v in part.items()}
+
+
+def _my_share(names: list[str]) -> list[str]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return names
+    return sorted(names)[dist.get_rank() :: dist.get_world_size()]
+
+
+def record_checkpoint_files(tmp: Path) -> dict:
+    """Collective, once every rank has written its files: {relative path: {bytes, sha256}} of every file
+    of the checkpoint being written (trainer_state.json, written after it, holds the record)."""
+    names = [p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != STATE_FILE]
+    return dict(sorted(_on_every_rank({name: _file_record(tmp / name) for name in _my_share(names)}).items()))
+
+
+def check_checkpoint_files(path: Path, state: dict) -> None:
+    """Collective: every file the checkpoint wrote is there, of the size and sha256 recorded when it was
+    written (trainer_state.json's "files"; checkpoints written before it was recorded are not checked).
+    Every rank checks its share, and every rank raises the same line, before anything is loaded."""
+    recorded = state.get("files")
+    if not recorded:
+        return
+    found = {}
+    for name in _my_share(list(recorded)):
+        file = path / name
+        if not file.is_file():
+            found[name] = "is missing"
+        elif file.stat().st_size != recorded[name]["bytes"]:
+            found[name] = f"is damaged ({file.stat().st_size:,} bytes, {recorded[name]['bytes']:,} when written)"
+        elif _file_record(file)["sha256"] != recorded[name]["sha256"]:
+            found[name] = "is damaged (its sha256 differs from the one recorded when it was written)"
+    damaged = dict(sorted(_on_every_rank(found).items()))
+    if not damaged:
+        return
+    name, what = next(iter(damaged.items()))
+    more = f" (and {len(damaged) - 1} more file{'s' if len(damaged) > 2 else ''})" if len(damaged) > 1 else ""
+    earlier = [p for p in list_checkpoints(path.parent.parent) if int(p.name.split("_")[1]) < state["step"]]
+    resume = f"resume from an earlier checkpoint (--resume_from_checkpoint {earlier[-1]}), or " if earlier else ""
+    raise UsageError(
+        f"--resume_from_checkpoint {path}: {name} {what}{more}: this checkpoint cannot be resumed; "
+        f"{resume}start over (--overwrite_output_dir, or another --output_dir)"
+    )
 
 
 def parameter_shapes(model) -> dict[str, list[int]]:
@@ -174,6 +247,7 @@ def check_resume_and_output(
     resume_path = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
         state = read_checkpoint_state(resume_path)
+        check_checkpoint_files(resume_path, state)
         check_compatible(state, resume_path, facts["param_shapes"], global_batch_size, accelerator.num_processes)
         if state["step"] >= args.max_steps:  # a finished run: change nothing
             raise NothingToDo(
@@ -257,18 +331,35 @@ def write_checkpoint(
     accelerator.wait_for_everyone()
     model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=OPTIONS)
     state_dir = tmp / "state" / f"rank_{accelerator.process_index}" if per_rank_state else tmp / "state"
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(state_dir), no_dist=per_rank_state)
+    with _each_rank_alone(per_rank_state):
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(state_dir), no_dist=per_rank_state)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if extra_state is not None:  # inside the checkpoint before it is published: whole or not at all
             torch.save(extra_state, tmp / EXTRA_STATE_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "per_rank_state": per_rank_state}, indent=1))
     accelerator.wait_for_everyone()  # every rank's files are written (DCP wrote its metadata last)
+    files = record_checkpoint_files(tmp)  # what a resume checks first: every file, its size and digest
+    if accelerator.is_main_process:
+        state = {**trainer_state, "per_rank_state": per_rank_state, "files": files}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         publish_checkpoint(tmp, final, output_dir, keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+@contextmanager
+def _each_rank_alone(per_rank_state: bool):
+    """Per-rank state (Local SGD): every rank saves and loads its own replica in a folder of its own,
+    without collectives (`no_dist=True`), on purpose. DCP then warns "torch.distributed is disabled ...
+    assuming the intent is to save in a single process", which is wrong on a multi-process run: that
+    warning, and only it, is silenced here."""
+    with warnings.catch_warnings():
+        if per_rank_state:
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninit")
+        yield
 
 
 def publish_checkpoint(tmp: Path, final: Path, output_dir, keep_last: int) -> None:
@@ -297,7 +388,8 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
     per_rank = state.get("per_rank_state", False)
     state_dir = path / "state" / f"rank_{accelerator.process_index}" if per_rank else path / "state"
     try:
-        dcp.load(to_load, checkpoint_id=str(state_dir), no_dist=per_rank)  # errors are gathered: every rank raises
+        with _each_rank_alone(per_rank):
+            dcp.load(to_load, checkpoint_id=str(state_dir), no_dist=per_rank)  # errors are gathered: every rank raises
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise UsageError(
             f"--resume_from_checkpoint {path}: the model/optimizer state cannot be read"
@@ -310,7 +402,7 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
         optim_state_dict=to_load["optim"],
         options=OPTIONS,
     )
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    scheduler.load_state_dict(_load_small_file(path, "scheduler.pt", weights_only=False))
     # Another layout may group the parameters differently (one optimizer group per kind of
     # parameter): every group follows the same schedule from the same peak, so resize the lists.
     schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper holds the torch one
@@ -319,7 +411,7 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
     schedule._last_lr = schedule._last_lr[:1] * n_groups
     rng_file = path / "rng" / f"rank_{accelerator.process_index}.pt"
     if state.get("world_size") == accelerator.num_processes and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(_load_small_file(path, rng_file.relative_to(path).as_posix(), weights_only=False))
     else:  # another layout: per-rank streams cannot map one to one; reseed deterministically
         torch.manual_seed(state.get("seed", 0) + state["step"] * 1000 + accelerator.process_index)
     return state
@@ -330,7 +422,20 @@ def load_extra_state(path: Path | None) -> dict | None:
     none saved). Every rank reads the same file."""
     if path is None or not (path / EXTRA_STATE_FILE).is_file():
         return None
-    return torch.load(path / EXTRA_STATE_FILE, weights_only=True)
+    return _load_small_file(path, EXTRA_STATE_FILE, weights_only=True)
+
+
+def _load_small_file(path: Path, name: str, weights_only: bool):
+    """torch.load of one of the checkpoint's files. check_checkpoint_files has found it whole; a checkpoint
+    written before the files were recorded may still hold a damaged one: one line, not a traceback."""
+    try:
+        return torch.load(path / name, weights_only=weights_only)
+    except Exception as e:
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: {name} cannot be read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}); the checkpoint is damaged: resume from an earlier "
+            "checkpoint, or start over (--overwrite_output_dir)"
+        ) from None
 
 
 def export_model(accelerator, model, task, data_source: dict, model_dir, layout=None) -> None:
@@ -348,28 +453,186 @@ def export_model(accelerator, model, task, data_source: dict, model_dir, layout=
         full_sd = {k: v for p in parts for k, v in p.items()} if accelerator.is_main_process else {}
     if accelerator.is_main_process:
         task.export(full_sd, model_dir, data_source)
+        record_task(task, model_dir)
     accelerator.wait_for_everyone()
 
 
-class _OwnModel(Exception):
-    """A model folder written by a Task of the user's own (its config.json names no known model)."""
+def _why(error: Exception) -> str:
+    """An exception as a few words for an error line: its type and the first line of its message."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
-def load_exported(model_dir, data_task: str | None = None):
+def record_task(task, model_dir) -> None:
+    """model/task.json: the file and class of a Task of the user's own, so that evaluate.py can rebuild
+    the model without --task. Not for the Tasks of common/ (the built-in GPT's, 🤗 models'): their
+    config.json already says what they are. A class that cannot be imported again (defined inside a
+    function) is not recorded: evaluate.py then asks for --task."""
+    model_dir = Path(model_dir)
+    cls = type(task)
+    try:
+        source = Path(inspect.getsourcefile(cls)).resolve()
+    except (TypeError, OSError):
+        source = None
+    (model_dir / TASK_FILE).unlink(missing_ok=True)  # a custom export may reuse the folder of another model
+    if source is None or source.parent == Path(__file__).resolve().parent or "<locals>" in cls.__qualname__:
+        return
+    (model_dir / TASK_FILE).write_text(json.dumps({"file": str(source), "class": cls.__qualname__}, indent=1) + "\n")
+
+
+def is_known_model(config: dict) -> bool:
+    """A config.json that load_exported rebuilds by itself: a 🤗 model's or the built-in GPT's."""
+    return "model_type" in config or {"n_layer", "n_head", "n_embd"} <= set(config)
+
+
+def task_spec_for(model_dir, task_flag: str | None) -> tuple[str, str] | None:
+    """Which Task of the user's own rebuilds the model in `model_dir`, as (FILE.py:Class or module:Class,
+    who named it, for the error lines): --task if given; else, for a config.json that is neither the
+    built-in GPT's nor a 🤗 model's, the one recorded in task.json; else None (a known model)."""
+    if task_flag:
+        return task_flag, f"--task {task_flag}"
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except Exception:
+        return None  # load_exported says what is wrong with the folder
+    if not isinstance(config, dict) or is_known_model(config):
+        return None
+    if not (model_dir / TASK_FILE).is_file():
+        raise UsageError(
+            f"--model_dir {model_dir}: its config.json ({', '.join(config) or 'empty'}) is neither the built-in "
+            f"GPT's nor a 🤗 model's, and no {TASK_FILE} says which Task wrote it: pass --task FILE.py:Class, the "
+            "file and class of your Task, which must have build_model(config) and validation_data() "
+            '(docs/your-model.md, "Evaluating your model with evaluate.py")'
+        )
+    try:
+        recorded = json.loads((model_dir / TASK_FILE).read_text())
+        spec = f"{recorded['file']}:{recorded['class']}"
+    except Exception as e:
+        raise UsageError(
+            f"--model_dir {model_dir}: its {TASK_FILE} cannot be read ({_why(e)}): pass --task "
+            "FILE.py:Class, the file and class of your Task"
+        ) from None
+    return spec, f"--model_dir {model_dir} (its {TASK_FILE} names {spec}; --task overrides it)"
+
+
+def import_task_class(spec: str, named_by: str):
+    """The Task subclass `spec` names: FILE.py:Class (the file's folder goes first on the path, so that it
+    imports its neighbours) or module:Class (a module importable from the current directory)."""
+    from .task import Task
+
+    fix = "pass --task FILE.py:Class or module:Class, naming the subclass of common.task.Task that trained the model"
+    where, colon, class_name = spec.rpartition(":")
+    if not colon or not where or not class_name:
+        raise UsageError(f"{named_by}: expected FILE.py:Class or module:Class (a colon, then the class name): {fix}")
+    try:
+        if where.endswith(".py") or os.sep in where or "/" in where:
+            file = Path(where).expanduser().resolve()
+            if not file.is_file():
+                raise UsageError(f"{named_by}: there is no file {file}: {fix}")
+            sys.path.insert(0, str(file.parent))
+            name = file.stem if file.stem not in sys.modules else f"_task_file_{file.stem}"  # never shadow a module
+            loaded = importlib.util.spec_from_file_location(name, file)
+            module = importlib.util.module_from_spec(loaded)
+            sys.modules[name] = module  # what dataclasses and pickle look the module up by
+            loaded.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(where)
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(
+            f"{named_by}: importing {where} failed ({_why(e)})"
+            ": it must import as it does in the training run (run from the folder it was trained in?)"
+        ) from None
+    cls = module
+    for part in class_name.split("."):
+        cls = getattr(cls, part, None)
+    tasks = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Task) and v is not Task]
+    has = f"its Task subclasses: {', '.join(tasks)}" if tasks else "it defines no subclass of common.task.Task"
+    if cls is None:
+        raise UsageError(f"{named_by}: {where} has no class {class_name!r} ({has}): {fix}")
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        what = "a class" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise UsageError(f"{named_by}: {class_name} is {what}, not a subclass of common.task.Task ({has}): {fix}")
+    return cls
+
+
+def load_own_model(model_dir: Path, spec: str, named_by: str):
+    """A model of the user's own, rebuilt by its Task: `Task()` (no arguments), then
+    `task.build_model(config)` with model/config.json, then model.safetensors loaded strictly."""
+    from safetensors.torch import load_file
+
+    cls = import_task_class(spec, named_by)
+    try:
+        task = cls()
+    except Exception as e:
+        raise UsageError(
+            f"{named_by}: {cls.__name__}() failed ({_why(e)}): evaluate.py makes your Task with no "
+            "arguments; give its __init__ arguments defaults"
+        ) from None
+    if not callable(getattr(task, "build_model", None)):
+        raise UsageError(
+            f"{named_by}: {cls.__name__} has no build_model(config): add `def build_model(self, config): return "
+            "YourModel(...)` to it, building the model from config.json (what Task.config() wrote) "
+            '(docs/your-model.md, "Evaluating your model with evaluate.py")'
+        )
+    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        model = task.build_model(config)
+    except Exception as e:
+        raise UsageError(
+            f"{named_by}: {cls.__name__}.build_model(config) failed ({_why(e)}) on config.json "
+            f"({json.dumps(config)[:200]})"
+        ) from None
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(
+            f"{named_by}: {cls.__name__}.build_model(config) returned a {type(model).__name__}, not an nn.Module"
+        )
+    saved = load_file(str(model_dir / "model.safetensors"))
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    reshaped = [k for k in expected if k in saved and saved[k].shape != expected[k].shape]
+    if missing or unexpected or reshaped:
+        first = (
+            f"{reshaped[0]}: {list(saved[reshaped[0]].shape)} in model.safetensors, {list(expected[reshaped[0]].shape)}"
+            " in the model"
+            if reshaped
+            else f"{missing[0]}: absent in model.safetensors"
+            if missing
+            else f"{unexpected[0]}: absent in the model"
+        )
+        raise UsageError(
+            f"--model_dir {model_dir}: model.safetensors does not fit the model {cls.__name__}.build_model(config) "
+            f"built (first difference: {first}; {len(missing)} missing, {len(unexpected)} unexpected, {len(reshaped)} "
+            "of another shape): make build_model(config) build the model that was trained, from config.json "
+            "(what Task.config() wrote)"
+        )
+    model.load_state_dict(saved, strict=True)
+    return model, task
+
+
+def load_exported(model_dir, task_spec: tuple[str, str] | None = None):
     """Load `model/` on CPU: returns the model, its Task and the data source it was trained on. A
-    folder written by a 🤗 model (config.json with a model_type) loads with transformers, else GPT."""
+    folder written by a 🤗 model (config.json with a model_type) loads with transformers, the built-in
+    GPT's with GPT; a model of the user's own is rebuilt by its Task (`task_spec`, from task_spec_for;
+    without it, the Task that model/task.json records)."""
     from .model import GPT, GPTConfig, GPTTask
 
     model_dir = Path(model_dir)
     try:
         config = json.loads((model_dir / "config.json").read_text())
         data_source = json.loads((model_dir / "data.json").read_text()) if (model_dir / "data.json").exists() else {}
-        if "model_type" in config:
+        if task_spec is None and not is_known_model(config):
+            task_spec = task_spec_for(model_dir, None)
+        if task_spec is not None:
+            model, task = load_own_model(model_dir, *task_spec)
+        elif "model_type" in config:
             from .hf import load_exported_hf
 
             model, task = load_exported_hf(model_dir)
-        elif not {"n_layer", "n_head", "n_embd"} <= set(config):
-            raise _OwnModel(", ".join(config) or "empty")
         else:
             from safetensors.torch import load_file
 
@@ -377,12 +640,8 @@ def load_exported(model_dir, data_task: str | None = None):
             model = GPT(cfg)
             model.load_state_dict(load_file(str(model_dir / "model.safetensors")))
             task = GPTTask(cfg, cfg.block_size, "text")
-    except _OwnModel as e:
-        raise UsageError(
-            f"--model_dir {model_dir}: its config.json ({e}) is neither the built-in GPT's nor a 🤗 model's, so this "
-            "script cannot rebuild the model: a model of your own is evaluated by its training run (its Task's "
-            "evaluation, every --eval_every steps and at the end; docs/your-model.md)"
-        ) from None
+    except UsageError:
+        raise
     except Exception as e:
         raise UsageError(
             f"--model_dir {model_dir}: not a readable model directory "
