@@ -24,7 +24,8 @@ Task, which then needs two more methods; the Task is made with no arguments:
     python scripts/evaluate.py --model_dir runs/regression/model --task regression.py:RegressionTask
 
 The training run records where its Task lives (model/task.json), so --task may be left out where
-that file still exists. The figures are the Task's own (Task.eval_metrics) and num_samples.
+that file still exists. The figures are the Task's own (Task.eval_metrics) and num_samples; the
+data flags and --generate are for the built-in data and models, and are refused.
 """
 
 import argparse
