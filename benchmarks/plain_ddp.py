@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from common.data import DEFAULT_CACHE_DIR, _encode_addition, build_addition
+from common.cli import DEFAULT_CACHE_DIR
+from common.data import _encode_addition, build_addition
 from common.model import GPT, GPTConfig
 from common.task import cross_entropy_sum
 

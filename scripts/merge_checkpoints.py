@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 import torch
 
 from common.checkpoint import load_exported
+from common.cli import HelpFormatter
 from common.errors import UsageError
-from common.launch import HelpFormatter, run_main
+from common.launch import run_main
 
 
 def missing_model_hint(model_dir: Path) -> str:

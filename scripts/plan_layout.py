@@ -42,16 +42,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from common.cli import HelpFormatter
+from common.costs import count_parameters, ddp_state_bytes
 from common.errors import UsageError
-from common.launch import HelpFormatter, run_main
+from common.launch import run_main
 from common.layout import DIMS, FLAGS, Layout
-from common.metrics import ddp_state_bytes
 from common.model import (
     GPT,
-    MODEL_PRESETS,
     GPTConfig,
     check_gpt_split,
-    count_parameters,
     flops_per_token,
     gpt_config_from_args,
 )
@@ -63,6 +62,7 @@ from common.pipeline import (
     stage_layers,
     stages_of_rank,
 )
+from common.presets import MODEL_PRESETS
 from train_tp import tensor_parallel_plan
 
 GiB = 2**30

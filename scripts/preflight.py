@@ -47,9 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import get_int_from_env
 
+from common.cli import HelpFormatter
 from common.errors import UsageError
-from common.launch import HelpFormatter, check_launch, report_to_launcher, run_main, world_size_from_env
+from common.faults import report_to_launcher
+from common.launch import WORLD_SIZE_VARS, check_launch, run_main
 
 FORMAT = "preflight/1"
 CPU_SIZES, GPU_SIZES = "4K,256K,4M", "1M,16M,256M"
@@ -128,7 +131,7 @@ def launch_from_env() -> dict:
     """What the launcher told this process. torchrun (and accelerate launch) set RANK, LOCAL_RANK,
     LOCAL_WORLD_SIZE and GROUP_RANK (the node); a launch of one process per rank (srun, mpirun)
     sets RANK and WORLD_SIZE, and NODE_RANK or SLURM_NODEID if it knows the node."""
-    world_size = world_size_from_env()
+    world_size = get_int_from_env(WORLD_SIZE_VARS, 1)  # Accelerate's reading of the launcher's variables
     node = next((os.environ[v] for v in ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") if v in os.environ), None)
     rank = int(os.environ.get("RANK", "0"))
     # under torchrun the launcher's agent holds the store; otherwise rank 0 serves it

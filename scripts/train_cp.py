@@ -41,12 +41,15 @@ from accelerate.utils import set_seed
 from torch.distributed.fsdp import FSDPModule
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.data import data_source, load_data, make_train_loader
+from common.cli import build_parser, check_core_args, data_source
+from common.costs import count_parameters
 from common.errors import UsageError
-from common.launch import build_parser, check_core_args, make_accelerator, run_main
+from common.evaluation import evaluate
+from common.launch import make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
-from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.loader import make_train_loader
+from common.metrics import RunMonitor
+from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_loss_is_a_sum
 from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 from train_fsdp import apply_fsdp
@@ -256,7 +259,7 @@ def torch_context_parallel(layout: Layout, buffers: list, seq_dims: list):
     return context_parallel(layout.sub("cp"), buffers=buffers, buffer_seq_dims=seq_dims)
 
 
-def cp_forward_backward(accelerator, model, task, micro_batches, global_targets, layout: Layout, impl: str):
+def cp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, layout: Layout, impl: str):
     """Forward and backward of this rank's slice of every sequence; returns its loss sum (its own tokens).
     The loss is divided by the global batch's target count; FSDP averages gradients over dp x cp ranks,
     so it is scaled back by their number: the gradient is that of (global loss sum / global targets)."""
@@ -273,7 +276,7 @@ def cp_forward_backward(accelerator, model, task, micro_batches, global_targets,
                 positions = torch.arange(ids.shape[1], device=ids.device)
                 with torch_context_parallel(layout, [ids, targets, positions], [1, 1, 0]):  # CP: shards in place
                     loss_sum, _ = task.loss_at(model, ids, targets, positions)
-                    accelerator.backward(loss_sum * scale / global_targets)
+                    accelerator.backward(loss_sum * scale / n_global_targets)
             else:  # CP: this rank's tokens (chunks r and 2cp-1-r), their targets and real positions
                 ids = task.inputs(mb)[0]  # (batch, tokens)
                 chunks = head_tail_chunks(layout.cp)[layout.cp_rank]
@@ -281,7 +284,7 @@ def cp_forward_backward(accelerator, model, task, micro_batches, global_targets,
                 ids, targets = ids[:, positions], task.next_token_targets(mb)[:, positions]
                 loss_sum, _ = task.loss_at(model, ids, targets, positions)
             if impl != "torch" or layout.cp == 1:
-                accelerator.backward(loss_sum * scale / global_targets)  # Accelerate: backward
+                accelerator.backward(loss_sum * scale / n_global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
 
@@ -356,6 +359,10 @@ def main():
     global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
+    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    from common.data import load_data
+    from common.model import context_length, tokenizer_for
+
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
@@ -364,6 +371,8 @@ def main():
     # the built-in GPT, or a 🤗 transformers causal LM, and its Task: the loss of a micro-batch as
     # (loss_sum, n_targets), and for CP the attention it calls (Task.set_attention) and a forward at given
     # positions (Task.forward_at); a model without them is refused with one line
+    from common.model import language_model
+
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     units = task.units(model)  # the repeated units: one FSDP unit each, --compile
@@ -431,10 +440,10 @@ def main():
     model.train()
     while step < last_step and not feed.preempted:
         monitor.step_start()
-        micro_batches, global_targets = feed.next_step()
+        micro_batches, n_global_targets = feed.next_step()
         with monitor.collectives():  # CP: K/V around the ring every layer; FSDP: all-gather, reduce-scatter
             loss_sum = cp_forward_backward(
-                accelerator, model, task, micro_batches, global_targets, layout, args.cp_impl
+                accelerator, model, task, micro_batches, n_global_targets, layout, args.cp_impl
             )
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
         lr = scheduler.get_last_lr()[0]
@@ -445,7 +454,7 @@ def main():
         monitor.step_end()
 
         if monitor.due(step, "train"):  # every rank holds the loss of its own tokens: the sum is the batch's
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
         if monitor.due(step, "eval"):
             monitor.eval(

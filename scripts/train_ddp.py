@@ -27,10 +27,12 @@ import torch
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.data import data_source, load_data, make_train_loader
-from common.launch import build_parser, check_core_args, make_accelerator, run_main
-from common.metrics import RunMonitor, evaluate, replicated_summary, ring_allreduce_bytes
-from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.cli import build_parser, check_core_args, data_source
+from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
+from common.evaluation import evaluate
+from common.launch import make_accelerator, run_main
+from common.loader import make_train_loader
+from common.metrics import RunMonitor
 from common.task import check_loss_is_a_sum
 from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler
 
@@ -53,7 +55,7 @@ def ddp_forward_backward(accelerator, model, task, micro_batches: list, global_t
 
 def main():
     # ---------------------------------------- flags
-    parser = build_parser(__doc__)
+    parser = build_parser(__doc__, moe=True)  # the built-in GPT's experts: --n_experts ...
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ddp"
     check_core_args(args)
@@ -75,6 +77,10 @@ def main():
     global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
+    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    from common.data import load_data
+    from common.model import context_length, tokenizer_for
+
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
@@ -82,8 +88,16 @@ def main():
     set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    from common.model import language_model
+
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
+    if args.n_experts:  # the MoE: before every optimizer step, the step's token counts move the expert bias
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        from common.moe import update_expert_bias
+
+        register_optimizer_step_pre_hook(lambda *_, moe_model=model: update_expert_bias(moe_model))
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
     if args.compile:

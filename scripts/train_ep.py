@@ -35,19 +35,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import set_seed
+from accelerate.utils import get_int_from_env, set_seed
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.data import data_source, load_data, make_train_loader
+from common.cli import build_parser, check_core_args, data_source
+from common.costs import count_parameters
 from common.errors import UsageError
-from common.launch import build_parser, check_core_args, make_accelerator, run_main, world_size_from_env
+from common.evaluation import evaluate
+from common.launch import WORLD_SIZE_VARS, make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunMonitor, evaluate, local_bytes, sharded_start_line, sharded_summary
-from common.model import context_length, count_parameters, language_model, tokenizer_for
-from common.moe import dropped_share, expert_load, moe_layers
+from common.loader import make_train_loader
+from common.metrics import RunMonitor
+from common.moe import dropped_share, expert_load, moe_layers, update_expert_bias
+from common.sharded_costs import local_bytes, sharded_start_line, sharded_summary
 from common.task import check_loss_is_a_sum
 from common.training import StepFeed, clip_grad_norm_, make_optimizer, make_scheduler, shard_loader
 
@@ -113,18 +116,20 @@ def shard_expert_slices(expert_modules: list, replica_mesh, dp_size: int) -> Non
             experts.set_force_sum_reduction_for_comms(True)
 
 
-def ep_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
+def ep_forward_backward(accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches (FSDP reduces every gradient, the experts'
     over the dp / ep groups); returns the loss sum (normalised by the target count of the whole
-    global batch, as in train_fsdp.py)."""
+    global batch, as in train_fsdp.py). Then the MoE's expert bias moves towards balance, from the
+    token counts of the whole step (all micro-batches, all ranks), before the optimizer steps."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for i, mb in enumerate(micro_batches):
         if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with accelerator.autocast():  # Accelerate: autocast
             loss_sum, _ = task.loss_of(model, mb)  # the MoE layers' all-to-alls run inside
-            accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
+            accelerator.backward(loss_sum * dp_size / n_global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
+    update_expert_bias(model)  # MoE: one all-reduce of the step's token counts per expert; aux_free moves the bias
     return step_loss_sum
 
 
@@ -173,14 +178,14 @@ def check_ep_flags(args, world_size: int) -> int:
 
 def main():
     # ---------------------------------------- flags
-    parser = build_parser(__doc__)
+    parser = build_parser(__doc__, moe=True)  # the built-in GPT's experts: --n_experts ...
     parser.set_defaults(n_experts=8)  # EP trains a mixture of experts
     g = parser.add_argument_group("expert parallel")
     g.add_argument("--ep_size", type=int, help="ranks the experts are cut over (default: all processes)")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ep"
     check_core_args(args)  # the MoE flags too: top_k <= n_experts ...
-    ep_size = check_ep_flags(args, world_size_from_env())
+    ep_size = check_ep_flags(args, get_int_from_env(WORLD_SIZE_VARS, 1))  # Accelerate: the processes launched
     grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
@@ -195,11 +200,17 @@ def main():
     global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
+    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    from common.data import load_data
+    from common.model import context_length, tokenizer_for
+
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
     set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
+    from common.model import language_model
+
     model, task = language_model(args, data)  # the built-in GPT with MoE layers (--n_experts ...) and its Task
     model = model.to(accelerator.device)
     units = task.units(model)  # the blocks: one FSDP unit each
@@ -217,7 +228,7 @@ def main():
             fully_shard(unit, mesh=layout.sub("dp"), reshard_after_forward=unit is not model)
 
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
-    optimizer = make_optimizer(model, args)  # with MoE layers: the expert bias is updated before each step
+    optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model)
     train_sampler = train_loader.sampler
@@ -240,19 +251,19 @@ def main():
     model.train()
     while step < last_step and not feed.preempted:
         monitor.step_start()
-        micro_batches, global_targets = feed.next_step()
+        micro_batches, n_global_targets = feed.next_step()
         with monitor.collectives():  # EP: per MoE layer, all-to-all out and back (and again in backward)
-            loss_sum = ep_forward_backward(accelerator, model, task, micro_batches, global_targets, dp_size)
+            loss_sum = ep_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()  # first, the expert bias moves towards balance (aux_free)
+        optimizer.step()  # the expert bias has moved already (ep_forward_backward)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         monitor.step_end()
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(
                 step, loss, lr, grad_norm, epoch=feed.epoch, **routing_record(model, ep_size, args.capacity_factor)
             )

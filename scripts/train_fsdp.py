@@ -32,12 +32,15 @@ from accelerate.utils import set_seed
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.data import data_source, load_data, make_train_loader
+from common.cli import build_parser, check_core_args, data_source
+from common.costs import count_parameters
 from common.errors import UsageError
-from common.launch import build_parser, check_core_args, make_accelerator, run_main
+from common.evaluation import evaluate
+from common.launch import make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
-from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.loader import make_train_loader
+from common.metrics import RunMonitor
+from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_loss_is_a_sum
 from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 
@@ -90,7 +93,7 @@ def fsdp_forward_backward(accelerator, model, task, micro_batches: list, global_
 
 def main():
     # ---------------------------------------- flags
-    parser = build_parser(__doc__)
+    parser = build_parser(__doc__, moe=True)  # the built-in GPT's experts: --n_experts ...
     g = parser.add_argument_group("fully sharded data parallel")
     g.add_argument("--dp_replicate", type=int, default=1, help="HSDP: replicate over N groups, shard inside each")
     reshard = "ZeRO-3: free each unit's gathered weights after forward (--no-reshard_after_forward: ZeRO-2 like)"
@@ -119,6 +122,10 @@ def main():
         raise UsageError("--cpu_offload moves state to CPU memory, but this run is already on the CPU: drop it")
 
     # ---------------------------------------- data (checked before anything is written)
+    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    from common.data import load_data
+    from common.model import context_length, tokenizer_for
+
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
@@ -126,8 +133,16 @@ def main():
     set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    from common.model import language_model
+
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
+    if args.n_experts:  # the MoE: before every optimizer step, the step's token counts move the expert bias
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        from common.moe import update_expert_bias
+
+        register_optimizer_step_pre_hook(lambda *_, moe_model=model: update_expert_bias(moe_model))
     units = task.units(model)  # the repeated units: one FSDP unit each, activation checkpointing, --compile
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)

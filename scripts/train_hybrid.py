@@ -46,13 +46,15 @@ from torch.distributed.tensor.parallel import loss_parallel
 from train_cp import apply_context_parallel, check_cp, cp_forward_backward, plain_attention, whole_sequence_predict
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.data import data_source, load_data, make_train_loader
-from common.hf import HFStage, drop_for_stage
-from common.launch import build_parser, check_core_args, make_accelerator, run_main
+from common.cli import build_parser, check_core_args, data_source
+from common.costs import count_parameters
+from common.evaluation import evaluate
+from common.launch import make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
-from common.model import GPT, context_length, count_parameters, language_model, tokenizer_for
+from common.loader import make_train_loader
+from common.metrics import RunMonitor
 from common.pipeline import add_pipeline_args, check_pipeline_layout, parse_pipeline_flags
+from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_loss_is_a_sum
 from common.training import (
     StepFeed,
@@ -77,8 +79,12 @@ def tp_stage_modules(model, stages: list, sp_mesh=None) -> list:
     the next stage its slice, a plain tensor. The GPT's blocks take the slice as it comes (its plan's local
     outputs); a 🤗 model's stage wraps it again as a Shard(1) DTensor, since 🤗 reads the positions, rotary
     cos/sin and mask off the full length (HFStage's sp_mesh)."""
+    from common.model import GPT
+
     if sp_mesh is None or isinstance(model, GPT):
         return stage_modules(model, stages)
+    from common.hf import HFStage, drop_for_stage
+
     first, last = any(is_first for _, is_first, _ in stages), any(is_last for _, _, is_last in stages)
     drop_for_stage(model, {i for units, _, _ in stages for i in units}, first, last)
     return [HFStage(model, units, is_first, is_last, sp_mesh) for units, is_first, is_last in stages]
@@ -123,6 +129,10 @@ def main():
     global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
 
     # ---------------------------------------- data (checked before anything is written)
+    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    from common.data import load_data
+    from common.model import context_length, tokenizer_for
+
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
@@ -130,6 +140,8 @@ def main():
     set_seed(args.seed)  # Accelerate: the same full model on every rank before any cut: init independent of layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    from common.model import language_model
+
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     # the repeated units: the pipeline split, TP's layers, activation checkpointing, --compile, FSDP units
@@ -174,21 +186,21 @@ def main():
         forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
     elif layout.cp > 1:  # CP: each rank's slice of every sequence (TP rank 0 counts the loss); evaluation whole
 
-        def forward_backward(micro_batches, global_targets):
-            loss_sum = cp_forward_backward(accelerator, model, task, micro_batches, global_targets, layout, "ring")
+        def forward_backward(micro_batches, n_global_targets):
+            loss_sum = cp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, layout, "ring")
             return loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
 
         predict = whole_sequence_predict(model, task, attention, layout)
         eval_batch_size = args.eval_batch_size
-    else:
+    else:  # TP: the loss on vocabulary shards under --loss_parallel
 
-        def forward_backward(micro_batches, global_targets):  # TP: the loss on vocabulary shards under --loss_parallel
+        def forward_backward(micro_batches, n_global_targets):
             return tp_forward_backward(
                 accelerator,
                 model,
                 task,
                 micro_batches,
-                global_targets,
+                n_global_targets,
                 args.loss_parallel,
                 layout.dp,
                 layout.holds_loss,
@@ -242,11 +254,11 @@ def main():
     model.train()
     while step < last_step and not feed.preempted:
         monitor.step_start()
-        micro_batches, global_targets = feed.next_step()
+        micro_batches, n_global_targets = feed.next_step()
         with monitor.collectives():  # counts the first step's collectives
             # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter of gradients
             loss_sum = forward_backward(
-                micro_batches, global_targets
+                micro_batches, n_global_targets
             )  # one rank per replica holds it (layout.holds_loss)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # sharded, over the stages
         lr = scheduler.get_last_lr()[0]
@@ -257,7 +269,7 @@ def main():
         monitor.step_end()
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
         if monitor.due(step, "eval"):  # each sample counted once; under PP forward only through the pipeline
             result = evaluate(accelerator, model, task, data.validation, eval_batch_size, layout, predict)

@@ -57,11 +57,14 @@ from common.checkpoint import (
     load_extra_state,
     save_checkpoint,
 )
-from common.data import data_source, load_data, make_train_loader
+from common.cli import build_parser, check_core_args, data_source
+from common.collectives import CollectiveCounter
+from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
 from common.errors import UsageError
-from common.launch import build_parser, check_core_args, launcher_sharding, make_accelerator, run_main
-from common.metrics import CollectiveCounter, RunMonitor, evaluate, replicated_summary, ring_allreduce_bytes
-from common.model import context_length, count_parameters, language_model, tokenizer_for
+from common.evaluation import evaluate
+from common.launch import launcher_sharding, make_accelerator, run_main
+from common.loader import make_train_loader
+from common.metrics import RunMonitor
 from common.task import check_loss_is_a_sum
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
 
@@ -332,6 +335,10 @@ def main():
     global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
+    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    from common.data import load_data
+    from common.model import context_length, tokenizer_for
+
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
@@ -339,6 +346,8 @@ def main():
     set_seed(args.seed)  # Accelerate: the same full model on every rank: the replicas start equal
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    from common.model import language_model
+
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     n_params, model_line = count_parameters(model), task.describe(model)

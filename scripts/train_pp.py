@@ -47,13 +47,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.data import data_source, load_data, make_train_loader
+from common.cli import build_parser, check_core_args, data_source
+from common.costs import count_parameters
 from common.errors import UsageError
-from common.hf import HFStage, drop_for_stage
-from common.launch import build_parser, check_core_args, make_accelerator, run_main
+from common.evaluation import evaluate
+from common.launch import make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
-from common.model import GPT, GPTStage, context_length, count_parameters, language_model, tokenizer_for
+from common.loader import make_train_loader
+from common.metrics import RunMonitor
 from common.pipeline import (
     MULTI_STAGE_SCHEDULES,
     add_pipeline_args,
@@ -63,6 +64,7 @@ from common.pipeline import (
     stage_layers,
     stages_of_rank,
 )
+from common.sharded_costs import sharded_start_line, sharded_summary
 from common.training import (
     StepFeed,
     clip_grad_norm_,
@@ -80,6 +82,8 @@ def stage_modules(model: nn.Module, stages: list[tuple[range, bool, bool]]) -> l
     uses (embeddings) go where this rank holds no first stage, those of the last (final norm, head)
     where it holds no last. A 🤗 model: common/hf.py's stage, which recomputes the rotary cos/sin on
     every stage (they hold no weights)."""
+    from common.model import GPT, GPTStage
+
     holds_first, holds_last = any(first for _, first, _ in stages), any(last for _, _, last in stages)
     if isinstance(model, GPT):
         if not holds_first:
@@ -87,6 +91,8 @@ def stage_modules(model: nn.Module, stages: list[tuple[range, bool, bool]]) -> l
         if not holds_last:
             model.ln_f = model.lm_head = None
         return [GPTStage(model, units, first, last) for units, first, last in stages]
+    from common.hf import HFStage, drop_for_stage
+
     drop_for_stage(model, {i for units, _, _ in stages for i in units}, holds_first, holds_last)
     return [HFStage(model, units, first, last) for units, first, last in stages]
 
@@ -225,10 +231,10 @@ class PipelineStep:
     def _context(self):
         return loss_parallel() if self.use_loss_parallel else nullcontext()
 
-    def __call__(self, micro_batches: list, global_targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, micro_batches: list, n_global_targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the whole batch; returns this replica's loss sum where it is reported."""
         (mb,) = micro_batches  # the schedule splits the batch into micro-batches itself
-        self.scale = self.layout.dp / global_targets  # times dp: FSDP averages gradients over the dp ranks
+        self.scale = self.layout.dp / n_global_targets  # times dp: FSDP averages gradients over the dp ranks
         for stage in self.stages:
             stage.reset_counters()
         inputs = self.task.inputs(mb) if self.has_first else ()
@@ -319,6 +325,10 @@ def main():
     global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps  # one pipeline: dp 1
 
     # ---------------------------------------- data (checked before anything is written)
+    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    from common.data import load_data
+    from common.model import context_length, tokenizer_for
+
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
@@ -326,6 +336,8 @@ def main():
     set_seed(args.seed)  # Accelerate: the same full model on every rank before it is cut: init independent of layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    from common.model import language_model
+
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     # the repeated units: the pipeline cuts between them; how a stage runs: stage_modules (above)
@@ -382,10 +394,10 @@ def main():
     model.train()
     while step < last_step and not feed.preempted:
         monitor.step_start()
-        micro_batches, global_targets = feed.next_step()
+        micro_batches, n_global_targets = feed.next_step()
         with monitor.collectives():  # counts the first step's collectives
             # PP: every micro-batch through every stage, forward and backward; the loss sum on the last stage only
-            loss_sum = pipeline(micro_batches, global_targets)
+            loss_sum = pipeline(micro_batches, n_global_targets)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # over the stages: the model's
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # PP: each rank updates its own units
@@ -395,7 +407,7 @@ def main():
         monitor.step_end()
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
         if monitor.due(step, "eval"):  # forward only, through the pipeline, with the training batch's shape
             result = evaluate(

@@ -54,12 +54,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.data import data_source, load_data, make_train_loader
+from common.cli import build_parser, check_core_args, data_source
+from common.costs import count_parameters
 from common.errors import UsageError
-from common.launch import build_parser, check_core_args, make_accelerator, run_main
+from common.evaluation import evaluate
+from common.launch import make_accelerator, run_main
 from common.layout import Layout
-from common.metrics import RunMonitor, evaluate, sharded_start_line, sharded_summary
-from common.model import check_gpt_split, context_length, count_parameters, language_model, tokenizer_for
+from common.loader import make_train_loader
+from common.metrics import RunMonitor
+from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_loss_is_a_sum
 from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 
@@ -119,6 +122,8 @@ def model_tp_plan(model: nn.Module, task, layout: Layout, sequence_parallel: boo
 
         check_tp_divides(model, layout.tp)
         return llama_tp_plan(model, sequence_parallel, loss_parallel)
+    from common.model import check_gpt_split
+
     check_gpt_split(task.cfg, layout.tp)  # the GPTConfig: TP divides heads, MLP width (4 x n_embd), vocabulary
     return tensor_parallel_plan(model, sequence_parallel, loss_parallel)
 
@@ -210,7 +215,7 @@ def tp_forward_backward(
     model,
     task,
     micro_batches: list,
-    global_targets: torch.Tensor,
+    n_global_targets: torch.Tensor,
     use_loss_parallel: bool,
     dp_size: int = 1,
     counts_loss: bool = True,
@@ -228,7 +233,7 @@ def tp_forward_backward(
             loss_parallel() if use_loss_parallel else nullcontext(),
         ):  # TP: loss on vocab shards
             loss_sum, _ = task.loss_of(model, mb)
-            accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
+            accelerator.backward(loss_sum * dp_size / n_global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach().full_tensor() if isinstance(loss_sum, DTensor) else loss_sum.detach()
     return step_loss_sum if counts_loss else torch.zeros_like(step_loss_sum)
 
@@ -333,6 +338,10 @@ def main():
     global_batch_size = args.batch_size * dp_size * args.gradient_accumulation_steps
 
     # ---------------------------------------- data (checked before anything is written)
+    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    from common.data import load_data
+    from common.model import context_length, tokenizer_for
+
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
@@ -340,6 +349,8 @@ def main():
     set_seed(args.seed)  # Accelerate: the same full model on every rank, then split: init independent of the layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    from common.model import language_model
+
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     units = task.units(model)  # the repeated units: --compile
@@ -392,11 +403,11 @@ def main():
     model.train()
     while step < last_step and not feed.preempted:
         monitor.step_start()
-        micro_batches, global_targets = feed.next_step()
+        micro_batches, n_global_targets = feed.next_step()
         with monitor.collectives():  # counts the first step's collectives
             # TP: every layer's f/g collectives run inside forward and backward
             loss_sum = tp_forward_backward(
-                accelerator, model, task, micro_batches, global_targets, args.loss_parallel, counts_loss=holds_loss
+                accelerator, model, task, micro_batches, n_global_targets, args.loss_parallel, counts_loss=holds_loss
             )
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's
         lr = scheduler.get_last_lr()[0]
@@ -407,7 +418,7 @@ def main():
         monitor.step_end()
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
         if monitor.due(step, "eval"):  # each sample counted once, by TP rank 0 (layout.holds_loss)
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))

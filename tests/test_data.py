@@ -15,7 +15,8 @@ from conftest import REPO, TINY, free_port, launch, read_metrics
 
 sys.path.insert(0, str(REPO / "scripts"))
 import common.data
-from common.data import add_data_args, build_addition, hub_unreachable, load_data
+from common.cli import add_data_args
+from common.data import build_addition, hub_unreachable, load_data
 from common.errors import UsageError
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(200))

@@ -17,7 +17,8 @@ import torch
 from conftest import SCRIPTS, TINY, assert_same_losses, evals, launch, read_metrics, summary, train_losses
 
 sys.path.insert(0, str(SCRIPTS))
-from common.data import add_data_args, load_data
+from common.cli import add_data_args
+from common.data import load_data
 
 # no xdist group: the cases spread over both workers (each runs the one-process references it needs once)
 

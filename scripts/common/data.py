@@ -32,80 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset
 
+from .cli import FILE_BUILDERS
 from .errors import UsageError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CACHE_DIR = REPO_ROOT / "data" / "cache"
-BUILTIN_DATASETS = ("addition", "pystdlib")
 ADDITION_SIZES = {"train": 100_000, "validation": 1_000}
 # a tokenizer may give a token more than the bytes of a problem: SentencePiece starts each of the prompt and the
 # answer with a word-start piece ("▁"); byte-level BPE never does (each token covers at least one byte)
 ADDITION_TOKENIZER_SLACK = 2
-FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 IN_MEMORY_MAX_TOKENS = 256 * 2**20  # per split: 1 GiB of int16 tensors (x2 columns) per process at most
 HUB_CHECK_TIMEOUT = 3.0  # seconds to open a connection to the hub before calling it unreachable
-# which data a model learned (saved as model/data.json), and the defaults of those flags that have one
-SOURCE_KEYS = (
-    "dataset",
-    "addition_digits",
-    "dataset_name",
-    "dataset_config",
-    "text_column",
-    "train_file",
-    "validation_file",
-)
-SOURCE_DEFAULTS = {"dataset": "addition", "addition_digits": 3, "text_column": "text"}
-
-
-def add_data_args(parser, defaults_from_model: bool = False) -> None:
-    """The data flags. With `defaults_from_model` (evaluate.py) the flags that say which data a
-    model learned have no default of their own: the caller fills them from model/data.json."""
-    default = dict.fromkeys(SOURCE_DEFAULTS) if defaults_from_model else SOURCE_DEFAULTS
-    model = " (default: the model's, from --model_dir's data.json)" if defaults_from_model else ""
-    trained_on = model and " (default: the data set the model was trained on, from --model_dir's data.json)"
-    g = parser.add_argument_group("data")
-    builtin = " | ".join(BUILTIN_DATASETS)
-    g.add_argument("--dataset", default=default["dataset"], help=f"built-in data set: {builtin}{trained_on}")
-    digits = default["addition_digits"]
-    g.add_argument("--addition_digits", type=int, default=digits, help=f"digits per operand of the addition set{model}")
-    hub = "a 🤗 hub data set (or a local folder laid out like one); replaces --dataset"
-    g.add_argument("--dataset_name", help=hub + model)
-    g.add_argument("--dataset_config", help=f"configuration name of --dataset_name{model}")
-    column = "column holding the text (hub and local files)"
-    g.add_argument("--text_column", default=default["text_column"], help=column + model)
-    g.add_argument("--train_file", help=f"local training file: .txt, .json/.jsonl or .csv; replaces --dataset{model}")
-    held_out = "the last 5%% of --train_file"
-    validation = f"the model's, from --model_dir's data.json; if none, {held_out}" if defaults_from_model else held_out
-    g.add_argument("--validation_file", help=f"local validation file (default: {validation})")
-    g.add_argument("--data_cache_dir", default=str(DEFAULT_CACHE_DIR), help="where built data and 🤗 caches go")
-
-
-def check_data_args(args) -> None:
-    """Checks that need no data: run before any process group exists."""
-    if args.validation_file and not args.train_file:
-        raise UsageError("--validation_file needs --train_file: pass the training file too")
-    for flag in ("train_file", "validation_file"):
-        path = getattr(args, flag)
-        if path is None:
-            continue
-        if not Path(path).is_file():
-            raise UsageError(f"--{flag} {path}: no such file")
-        if Path(path).suffix not in FILE_BUILDERS:
-            raise UsageError(f"--{flag} {path}: unsupported type (use {', '.join(FILE_BUILDERS)})")
-    if not (args.train_file or args.dataset_name) and args.dataset not in BUILTIN_DATASETS:
-        raise UsageError(
-            f"--dataset {args.dataset!r} is not a built-in data set (choose {' or '.join(BUILTIN_DATASETS)})"
-            ", or use --dataset_name / --train_file"
-        )
-    if args.addition_digits < 1 or args.addition_digits > 9:
-        raise UsageError(f"--addition_digits must be 1..9 (got {args.addition_digits})")
-
-
-def data_source(args) -> dict:
-    """What the data is, as saved beside the model so that evaluate.py reads the same split."""
-    return {k: getattr(args, k) for k in SOURCE_KEYS}
 
 
 def data_name(args) -> str:
@@ -414,42 +351,3 @@ class TensorRows(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.input_ids[i].long(), "labels": self.labels[i].long()}
-
-
-# ---------------------------------------------------------------- data loaders
-
-
-class GlobalBatchSampler(Sampler):
-    """The same shuffled order on every rank, fixed by (seed, epoch) alone, cut to whole
-    global batches. Accelerate then hands rank r every dp-th micro-batch of it, so the
-    samples of optimizer step t are the same for any number of processes."""
-
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int):
-        self.num_samples = num_samples
-        self.usable = num_samples - num_samples % global_batch_size
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=g)[: self.usable].tolist())
-
-    def __len__(self) -> int:
-        return self.usable
-
-
-def make_train_loader(train, batch_size: int, global_batch_size: int, seed: int) -> DataLoader:
-    if len(train) < global_batch_size:
-        raise UsageError(
-            f"the train split has {len(train)} samples, fewer than one global batch ({global_batch_size})"
-            ": lower --batch_size or --gradient_accumulation_steps"
-        )
-    sampler = GlobalBatchSampler(len(train), global_batch_size, seed)
-    return DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True)
-
-
-def make_eval_loader(validation, batch_size: int) -> DataLoader:
-    return DataLoader(validation, batch_size=batch_size, shuffle=False)

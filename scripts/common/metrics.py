@@ -1,27 +1,16 @@
-"""What a run measures and writes: metrics.jsonl and the progress bar (RunMonitor), throughput,
-MFU, peak memory, evaluation (replicated or sharded model), and the cost figures of the sharded
-strategies (bytes each rank holds, collectives of one step)."""
+"""What a run measures and writes: metrics.jsonl and the progress bar (RunMonitor), the cadence of
+records, evaluations and checkpoints, throughput and MFU over training-step time."""
 
 from __future__ import annotations
 
 import json
-import math
-import resource
 import sys
 import time
-from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
-
-from .task import first
 
 # Dense bf16 peak FLOP/s of common accelerators, for MFU; CPUs have no reliable figure (use --peak_flops).
 PEAK_FLOPS = {
@@ -45,23 +34,10 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
     return None
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak accelerator memory allocated on CUDA; peak resident memory of this process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def ring_allreduce_bytes(n_bytes: float, n_ranks: int) -> float:
-    """Bytes each rank sends (and receives) in a ring all-reduce: reduce-scatter then all-gather,
-    each moving (N-1)/N of the buffer."""
-    return 2 * (n_ranks - 1) / n_ranks * n_bytes
 
 
 class MetricsWriter:
@@ -155,7 +131,7 @@ class RunMonitor:
             f"{len(data.validation)} validation samples{of_tokens}",
             f"  global batch = {args.batch_size} per data-parallel rank x {dp} dp ranks "
             f"x {args.gradient_accumulation_steps} accumulation = {self.global_batch_size} samples",
-            *(f"  {line}" for line in strategy_lines),
+            *(f"  {line}" for line in strategy_lines if line),  # None: a line that does not apply
         ]
         if resume_path:
             lines.append(f"  resuming from {resume_path} at step {self.start_step}")
@@ -179,6 +155,8 @@ class RunMonitor:
     def collectives(self):
         """Counts the collectives of the run's first step (forward and backward, every kind) for the
         summary; later steps run without the counter, and so does --compile (a dispatch mode stops it)."""
+        from .collectives import CollectiveCounter  # the sharded scripts' (and Local SGD's) first lines
+
         first = self.step == self.start_step and not self.args.compile
         if self.first_step_collectives is None:
             self.first_step_collectives = {}  # stays empty under --compile
@@ -307,207 +285,3 @@ class RunMonitor:
 def format_number(value) -> str:
     """4 significant digits for printing (metrics.jsonl keeps full precision)."""
     return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def gather_max(accelerator, value: float) -> float:
-    return (
-        accelerator.gather(torch.tensor([float(value)], device=accelerator.device)).max().item()
-    )  # Accelerate: all-gather
-
-
-# ====================================================================== evaluation
-@torch.no_grad()
-def evaluate(accelerator, model, task, validation, batch_size: int, layout=None, predict=None) -> dict:
-    """The task's evaluation (Task.eval_sums, Task.eval_metrics) over every validation sample
-    exactly once, under any layout, plus `num_samples`.
-
-    Data-parallel rank r scores samples r, r + dp, ... (dp: the layout's, else every process);
-    every rank runs the same number of batches, the last ones padded with repeats of its first
-    sample, because FSDP and the pipeline need all ranks in each forward; the padding is cut off
-    before scoring. `predict(*inputs)` (default: the model) returns the outputs where they exist
-    (a pipeline's last stage) and None elsewhere; one rank per data-parallel replica
-    (`layout.holds_loss`) adds its sums, so each sample counts once, not once per TP rank
-    (docs/troubleshooting.md, "Evaluation counted once per TP rank")."""
-    from accelerate.utils import send_to_device
-
-    dp = layout.dp if layout is not None else accelerator.num_processes
-    r = layout.dp_rank if layout is not None else accelerator.process_index
-    counts = layout is None or layout.holds_loss
-    predict = predict or model
-    n = len(validation)
-    n_batches = math.ceil(math.ceil(n / dp) / batch_size)
-    mine = list(range(r, n, dp))
-    indices = (mine + [mine[0]] * (n_batches * batch_size))[: n_batches * batch_size]
-    was_training = model.training
-    model.eval()
-    sums: dict[str, float] = defaultdict(float)
-    for i, batch in enumerate(DataLoader(Subset(validation, indices), batch_size=batch_size)):
-        batch = send_to_device(batch, accelerator.device)
-        with accelerator.autocast():  # Accelerate: autocast
-            outputs = full_outputs(predict(*task.inputs(batch)))  # loss parallel: a collective, every TP rank
-        real = min(batch_size, len(mine) - i * batch_size)  # the rest of the batch is padding
-        if outputs is None or not counts or real <= 0:
-            continue
-        for key, value in task.eval_sums(first(outputs, real), first(task.targets(batch), real)).items():
-            sums[key] += float(value)
-        sums["samples"] += real
-    model.train(was_training)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank, dict(sums))  # a few numbers per rank, once per evaluation
-        sums = defaultdict(float)
-        for part in every_rank:
-            for key, value in part.items():
-                sums[key] += value
-    metrics = {
-        k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in task.eval_metrics(sums).items()
-    }
-    return {"eval_loss": metrics.pop("eval_loss", None), "num_samples": int(sums["samples"]), **metrics}
-
-
-def full_outputs(outputs):
-    """Outputs that are DTensors (vocabulary-sharded logits under loss parallel) as full tensors."""
-    if isinstance(outputs, DTensor):
-        return outputs.full_tensor()
-    if isinstance(getattr(outputs, "logits", None), DTensor):  # a 🤗 output object
-        outputs.logits = outputs.logits.full_tensor()
-    return outputs
-
-
-# ====================================================================== sharded models
-def local_bytes(tensors) -> int:
-    """Bytes this rank really holds: a DTensor counts its local shard only."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
-
-
-def training_state_bytes(model: nn.Module, optimizer) -> dict:
-    """Exact per-rank bytes of parameters, gradients and optimizer state (after a step, when Adam's
-    moments exist). A gradient is the same shard as its parameter: it is counted as such (between
-    steps, zero_grad has freed it)."""
-    opt = getattr(optimizer, "optimizer", optimizer)
-    params = list(model.parameters())
-    optim_tensors = [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    figures = {
-        "param_bytes": local_bytes(params),
-        "grad_bytes": local_bytes(p for p in params if p.requires_grad),
-        "optimizer_bytes": local_bytes(optim_tensors),
-    }
-    figures["total_bytes"] = sum(figures.values())
-    return figures
-
-
-def ddp_state_bytes(n_params: int, optimizer_name: str) -> dict:
-    """What DDP holds on every rank in fp32: parameters, gradients, and for AdamW two moments
-    (plus a 4-byte step count per tensor, ignored here)."""
-    optim = 8 * n_params if optimizer_name == "adamw" else 0
-    return {
-        "param_bytes": 4 * n_params,
-        "grad_bytes": 4 * n_params,
-        "optimizer_bytes": optim,
-        "total_bytes": 8 * n_params + optim,
-    }
-
-
-def sharded_start_line(model, layout, n_params: int, optimizer_name: str, accelerator) -> str:
-    """What each rank holds, printed at start beside DDP's figure. Collective (a gather)."""
-    param_bytes = gather_max(accelerator, local_bytes(model.parameters()))
-    per_state = 4 if optimizer_name == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
-    ddp_bytes = ddp_state_bytes(n_params, optimizer_name)["total_bytes"]
-    return (
-        f"parameters per rank (largest): {param_bytes / 2**20:.2f} MiB "
-        f"of the unsharded {4 * n_params / 2**20:.2f} MiB; "
-        f"with gradients and optimizer state ~{per_state * param_bytes / 2**20:.2f} MiB "
-        f"(DDP: {ddp_bytes / 2**20:.2f} MiB, ideal split over {layout.model_split}: "
-        f"{ddp_bytes / layout.model_split / 2**20:.2f} MiB)"
-    )
-
-
-def replicated_summary(accelerator, n_params: int, allreduce_mib: float) -> dict:
-    """The cost figures of a replicated run's summary (DDP, Local SGD): peak memory of the largest
-    rank and of all ranks, and the gradient all-reduce per step and rank. Collective (a gather)."""
-    peak_mb = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))
-    return {
-        "n_params": n_params,
-        "peak_memory_mb_max_rank": round(peak_mb.max().item(), 1),
-        "peak_memory_mb_all_ranks": round(peak_mb.sum().item(), 1),
-        "gradient_allreduce_mib_per_step_per_rank": round(allreduce_mib, 3),
-    }
-
-
-def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, model, optimizer) -> dict:
-    """The cost figures of a sharded run's summary: measured bytes per rank (largest rank)
-    against DDP's and the ideal split (the first step's collectives: RunMonitor.summary). Collective
-    (gathers)."""
-    state_bytes = training_state_bytes(model, optimizer)
-    measured = {
-        k: gather_max(accelerator, state_bytes.get(k, 0))
-        for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
-    }
-    ideal = (
-        ddp_state_bytes(n_params, optimizer_name)["total_bytes"] / layout.model_split
-    )  # DDP's bytes over every different piece
-    return {
-        "n_params": n_params,
-        "layout": layout.describe(),
-        "peak_memory_mb_max_rank": round(gather_max(accelerator, peak_memory_mb(accelerator.device)), 1),
-        "state_bytes_per_rank_max": measured,
-        "ddp_state_bytes_per_rank": ddp_state_bytes(n_params, optimizer_name),
-        "ideal_state_bytes_per_rank": round(ideal),
-        "state_vs_ideal": round(measured["total_bytes"] / ideal, 4),
-        "unsharded_param_bytes": 4 * n_params,
-    }
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives run while it is active, forward and backward, and the size of the
-    full buffer each works on (the unsharded tensor of an all-gather or reduce-scatter): the
-    DTensor collectives of TP (functional ops) and the c10d ops of FSDP, pipeline send/recv and
-    plain torch.distributed calls. `enabled=False` makes it a no-op (the steps after the first)."""
-
-    NAMES = {
-        "all_reduce": "all_reduce",
-        "allreduce_": "all_reduce",
-        "all_gather_into_tensor": "all_gather",
-        "_allgather_base_": "all_gather",
-        "allgather_": "all_gather",
-        "allgather_into_tensor_coalesced_": "all_gather",
-        "reduce_scatter_tensor": "reduce_scatter",
-        "_reduce_scatter_base_": "reduce_scatter",
-        "reduce_scatter_": "reduce_scatter",
-        "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-        "all_to_all_single": "all_to_all",
-        "broadcast_": "broadcast",
-        "send": "send",
-        "recv_": "recv",
-    }
-
-    def __init__(self, enabled: bool = True):
-        super().__init__()
-        self.enabled = enabled
-        self.calls: dict[str, int] = defaultdict(int)
-        self.bytes: dict[str, int] = defaultdict(int)
-
-    def __enter__(self):
-        return super().__enter__() if self.enabled else self
-
-    def __exit__(self, *exc):
-        return super().__exit__(*exc) if self.enabled else None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        if func.namespace in ("_c10d_functional", "c10d") and name in self.NAMES:
-            kind = self.NAMES[name]
-            tensors = [
-                t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)
-            ]
-            buffer = max((t.nbytes for t in tensors), default=0)  # the full (unsharded) buffer of the collective
-            if func.namespace == "_c10d_functional" and kind == "all_gather":
-                buffer *= args[1]  # functional all-gather gets the shard and the group size
-            self.calls[kind] += 1
-            self.bytes[kind] += buffer
-        return func(*args, **(kwargs or {}))
-
-    def report(self) -> dict:
-        return {
-            kind: {"calls": self.calls[kind], "mib": round(self.bytes[kind] / 2**20, 4)} for kind in sorted(self.calls)
-        }

@@ -30,19 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import UsageError
-from .moe import BALANCE_KINDS, ROUTER_SCORES, MoE, active_parameters, aux_loss_sum, moe_layers
+from .presets import MODEL_PRESETS
 from .task import CausalLMTask
 
 VOCAB_SIZE = 256  # byte-level: every data set is UTF-8 bytes, so no tokenizer download is ever needed
-
-# name: (n_layer, n_head, n_embd, block_size)
-MODEL_PRESETS = {
-    "tiny": (2, 4, 64, 64),  # tests: a 20-step run takes seconds on one core
-    "small": (4, 4, 128, 128),  # the CPU demo (default main job)
-    "gpt2": (12, 12, 768, 1024),  # GPT-2 shapes (85M here: the byte vocabulary has 256 rows, not 50257)
-    "gpt2-medium": (24, 16, 1024, 1024),  # GPT-2 medium shapes (~303M here)
-    "1b": (24, 16, 2048, 2048),  # ~1.2B, for GPUs
-}
 
 
 @dataclass
@@ -187,8 +178,10 @@ class GPT(nn.Module):
 DENSE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout")
 
 
-def moe_mlp(cfg: GPTConfig, layer: int) -> MoE:
-    """Block `layer`'s MLP as a mixture of experts (common/moe.py)."""
+def moe_mlp(cfg: GPTConfig, layer: int) -> nn.Module:
+    """Block `layer`'s MLP as a mixture of experts (common/moe.py: imported only by a model that has experts)."""
+    from .moe import MoE
+
     moe = MoE(
         cfg.n_embd,
         cfg.n_experts,
@@ -229,10 +222,6 @@ class GPTStage(nn.Module):
         return x
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N (forward + backward matmuls) + 12·L·d·T (attention scores)."""
     return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * seq_len
@@ -250,9 +239,11 @@ class GPTTask(CausalLMTask):
         self.cfg, self.preset = cfg, preset
 
     def describe(self, model: nn.Module) -> str:
-        n = count_parameters(model)
+        n = sum(p.numel() for p in model.parameters())
         line = f"model GPT {self.preset}: {n / 1e6:.2f}M parameters, {self.cfg.n_layer} layers x {self.cfg.n_embd} wide"
         if self.cfg.n_experts:
+            from .moe import active_parameters, moe_layers
+
             c = self.cfg
             line += (
                 f"; {len(moe_layers(model))} MoE layer(s) of {c.n_experts} experts, top-{c.top_k}, "
@@ -264,6 +255,8 @@ class GPTTask(CausalLMTask):
         """The LM loss sum, plus the MoE layers' auxiliary balance loss (a sum over sequences too)."""
         loss_sum, n_targets = super().loss_of(model, batch)
         if self.cfg.n_experts and self.cfg.load_balance == "aux_loss":
+            from .moe import aux_loss_sum
+
             loss_sum = loss_sum + aux_loss_sum(model)
         return loss_sum, n_targets
 
@@ -322,6 +315,8 @@ def check_moe_config(cfg: GPTConfig) -> None:
         raise UsageError(f"--n_experts must not be negative (got {cfg.n_experts}; 0: a dense model)")
     if not cfg.n_experts:
         return
+    from .moe import BALANCE_KINDS, ROUTER_SCORES
+
     if not 1 <= cfg.top_k <= cfg.n_experts:
         raise UsageError(
             f"--top_k {cfg.top_k} with --n_experts {cfg.n_experts}: each token chooses top_k of the experts, so "
@@ -373,8 +368,11 @@ def language_model(args, data) -> tuple[nn.Module, CausalLMTask]:
         return load_hf_model(args, data.seq_len, data.task)
     cfg = gpt_config_from_args(args)
     model = GPT(cfg)
-    for moe in moe_layers(model):
-        moe.dump_routing = getattr(args, "dump_routing", None)  # debug: the first step's expert choices
+    if cfg.n_experts:
+        from .moe import moe_layers
+
+        for moe in moe_layers(model):
+            moe.dump_routing = getattr(args, "dump_routing", None)  # debug: the first step's expert choices
     return model, GPTTask(cfg, data.seq_len, data.task, args.model_size)
 
 

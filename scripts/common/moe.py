@@ -204,9 +204,10 @@ def aux_loss_sum(model: nn.Module):
 
 @torch.no_grad()
 def update_expert_bias(model: nn.Module) -> None:
-    """Before each optimizer step: sum the step's token counts per expert over every process (one
-    all-reduce for all layers; `expert_load` keeps them for the logs), then, under aux_free, move
-    each bias towards balance: bias_e += rate · sign(mean - count_e). Summing over all processes
+    """Before each optimizer step (train_ep.py calls it after the step's backward; the MODEL sections of
+    train_ddp.py and train_fsdp.py hook it to the optimizer): sum the step's token counts per expert
+    over every process (one all-reduce for all layers; `expert_load` keeps them for the logs), then,
+    under aux_free, move each bias towards balance: bias_e += rate · sign(mean - count_e). Summing over all processes
     counts every data-parallel replica equally often, so the signs are those of the global batch
     whatever the layout."""
     layers = [m for m in moe_layers(model) if m.tokens_per_expert is not None]
@@ -222,12 +223,6 @@ def update_expert_bias(model: nn.Module) -> None:
         layer.dropped_share = float(1 - k.sum() / c.sum())
         if layer.load_balance == "aux_free":
             layer.expert_bias += layer.bias_update_rate * torch.sign(c.mean() - c)
-
-
-def attach_bias_update(model: nn.Module, optimizer) -> None:
-    """Run update_expert_bias before every optimizer step (torchtitan's way: a step pre-hook)."""
-    if moe_layers(model):
-        optimizer.register_step_pre_hook(lambda *_: update_expert_bias(model))
 
 
 def dropped_share(model: nn.Module) -> list[float]:

@@ -1,6 +1,6 @@
-"""Pieces of a training run that every strategy shares: model config from the flags, the
-optimizer, the LR schedule, gradient clipping over sharded gradients, and the endless stream of
-micro-batches with a resumable, layout-free data position."""
+"""Pieces of a training run that every strategy shares: --compile of the units, the optimizer, the
+LR schedule, gradient clipping over sharded gradients, and the endless stream of micro-batches with
+a resumable, layout-free data position."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from accelerate.data_loader import prepare_data_loader
 from torch.distributed.tensor import DTensor
 
 from .errors import RunPosition
-from .moe import attach_bias_update
 
 
 def compile_units(units, accelerator) -> None:
@@ -71,7 +70,6 @@ def make_optimizer(model, args) -> torch.optim.Optimizer:
         if all(p.device.type in ("cpu", "cuda") for p in params):
             kernels = {"fused": True}
         optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, betas=(0.9, 0.95), **kernels)
-    attach_bias_update(model, optimizer)  # MoE layers: the step's token counts update the expert bias first
     return optimizer
 
 

@@ -1,0 +1,73 @@
+"""Evaluation: the Task's figures over every validation sample exactly once, under any layout
+(replicated, sharded, tensor- or pipeline-parallel)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import send_to_device, slice_tensors
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Subset
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, task, validation, batch_size: int, layout=None, predict=None) -> dict:
+    """The task's evaluation (Task.eval_sums, Task.eval_metrics) over every validation sample
+    exactly once, under any layout, plus `num_samples`.
+
+    Data-parallel rank r scores samples r, r + dp, ... (dp: the layout's, else every process);
+    every rank runs the same number of batches, the last ones padded with repeats of its first
+    sample, because FSDP and the pipeline need all ranks in each forward; the padding is cut off
+    before scoring. `predict(*inputs)` (default: the model) returns the outputs where they exist
+    (a pipeline's last stage) and None elsewhere; one rank per data-parallel replica
+    (`layout.holds_loss`) adds its sums, so each sample counts once, not once per TP rank
+    (docs/troubleshooting.md, "Evaluation counted once per TP rank")."""
+    dp = layout.dp if layout is not None else accelerator.num_processes
+    r = layout.dp_rank if layout is not None else accelerator.process_index
+    counts = layout is None or layout.holds_loss
+    predict = predict or model
+    n = len(validation)
+    n_batches = math.ceil(math.ceil(n / dp) / batch_size)
+    mine = list(range(r, n, dp))
+    indices = (mine + [mine[0]] * (n_batches * batch_size))[: n_batches * batch_size]
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = defaultdict(float)
+    for i, batch in enumerate(DataLoader(Subset(validation, indices), batch_size=batch_size)):
+        batch = send_to_device(batch, accelerator.device)
+        with accelerator.autocast():  # Accelerate: autocast
+            outputs = full_outputs(predict(*task.inputs(batch)))  # loss parallel: a collective, every TP rank
+        real = min(batch_size, len(mine) - i * batch_size)  # the rest of the batch is padding
+        if outputs is None or not counts or real <= 0:
+            continue
+        outputs = getattr(outputs, "logits", outputs)  # a 🤗 output object: Task.eval_sums gets its logits
+        scored = slice(0, real)
+        for key, value in task.eval_sums(
+            slice_tensors(outputs, scored), slice_tensors(task.targets(batch), scored)
+        ).items():
+            sums[key] += float(value)
+        sums["samples"] += real
+    model.train(was_training)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, dict(sums))  # a few numbers per rank, once per evaluation
+        sums = defaultdict(float)
+        for part in every_rank:
+            for key, value in part.items():
+                sums[key] += value
+    metrics = {
+        k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in task.eval_metrics(sums).items()
+    }
+    return {"eval_loss": metrics.pop("eval_loss", None), "num_samples": int(sums["samples"]), **metrics}
+
+
+def full_outputs(outputs):
+    """Outputs that are DTensors (vocabulary-sharded logits under loss parallel) as full tensors."""
+    if isinstance(outputs, DTensor):
+        return outputs.full_tensor()
+    if isinstance(getattr(outputs, "logits", None), DTensor):  # a 🤗 output object
+        outputs.logits = outputs.logits.full_tensor()
+    return outputs

@@ -1,0 +1,42 @@
+"""How much of common/ a script carries: run it for real, then count the lines of every common.* module
+it imported.
+
+    python tests/ground_floor.py scripts/train_ddp.py --model_size tiny --max_steps 1 --output_dir /tmp/x
+
+runs the script in this interpreter as `python scripts/train_ddp.py ...` would (runpy, as __main__, with
+that argv), and prints one JSON object as its last line: {"lines": N, "modules": {"common.data": lines,
+...}}: the `wc -l` of each common.* module in sys.modules at the end of the run (tests/test_ground_floor.py).
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+
+def common_modules() -> dict[str, int]:
+    """{module name: its lines} for each module of the `common` package this interpreter has imported."""
+    counted = {}
+    for name, module in sorted(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (name == "common" or name.startswith("common.")) and path:
+            counted[name] = len(Path(path).read_text(encoding="utf-8").splitlines())
+    return counted
+
+
+def main() -> None:
+    script, *args = sys.argv[1:]
+    sys.argv = [script, *args]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    modules = common_modules()
+    print(json.dumps({"returncode": code, "lines": sum(modules.values()), "modules": modules}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
