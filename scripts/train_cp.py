@@ -50,7 +50,7 @@ from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.sharded_costs import sharded_start_line, sharded_summary
-from common.task import check_loss_is_a_sum
+from common.task import check_task_contract
 from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 from train_fsdp import apply_fsdp
 
@@ -407,7 +407,7 @@ def main():
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     whole = plain_attention(task, model, attention) if attention else None  # CP: whole sequences, causal SDPA
-    check_loss_is_a_sum(task, model, data.validation, accelerator.device, whole)  # a mean would train silently wrong
+    check_task_contract(task, model, data.validation, accelerator.device, whole)  # a mean would train silently wrong
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,

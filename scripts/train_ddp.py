@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 import torch
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 
+from common.batchnorm import batchnorm_line, sync_batchnorm
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import build_parser, check_core_args, data_source
 from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
@@ -33,12 +34,12 @@ from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
-from common.task import check_loss_is_a_sum
+from common.task import check_task_contract
 from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler
 
 
 # ======================================== DDP: the strategy
-def ddp_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
+def ddp_forward_backward(accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
     normalised by the target count of the whole global batch (all micro-batches, all ranks), not
     averaged per micro-batch (which weights targets unequally when their counts differ)."""
@@ -48,14 +49,22 @@ def ddp_forward_backward(accelerator, model, task, micro_batches: list, global_t
             loss_sum, _ = task.loss_of(model, mb)
             # DDP averages the gradients over the dp ranks (and backward divides by the accumulation steps):
             # scale back, so the gradient is that of (global loss sum / global targets)
-            accelerator.backward(loss_sum * dp_size * len(micro_batches) / global_targets)  # Accelerate: backward
+            accelerator.backward(loss_sum * dp_size * len(micro_batches) / n_global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
+
+
+SYNC_BATCHNORM_HELP = (
+    "BatchNorm over the global micro-batch (all ranks): the same run as one process (without it, each rank "
+    "normalises its own micro-batch; DDP keeps rank 0's running statistics)"
+)
 
 
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__, moe=True)  # the built-in GPT's experts: --n_experts ...
+    g = parser.add_argument_group("data parallel")
+    g.add_argument("--sync_batchnorm", action="store_true", help=SYNC_BATCHNORM_HELP)
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ddp"
     check_core_args(args)
@@ -111,8 +120,11 @@ def main():
     # ---------------------------------------- DDP: the strategy
     # Accelerate: wraps the model in DistributedDataParallel (gradient all-reduce in backward),
     # moves everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
+    # DDP broadcasts rank 0's buffers (BatchNorm's running statistics) before every forward: one set for all.
+    if args.sync_batchnorm and dp_size > 1:  # DDP: BatchNorm normalises over the global micro-batch
+        sync_batchnorm(model, accelerator.device)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
+    check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -126,16 +138,17 @@ def main():
     monitor = RunMonitor(accelerator, args, "train_ddp", progress["step"], dp_size, global_batch_size)
     allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
     ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB"
-    monitor.start(task, model_line, n_params, data, [f"{ddp_line} = {allreduce_mib:.1f} MiB"], resume_path)
+    bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
+    monitor.start(task, model_line, n_params, data, [f"{ddp_line} = {allreduce_mib:.1f} MiB", bn_line], resume_path)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
         monitor.step_start()
-        micro_batches, global_targets = feed.next_step()
+        micro_batches, n_global_targets = feed.next_step()
         # DDP: forward and backward of each micro-batch; the gradient all-reduce runs inside the last backward
-        loss_sum = ddp_forward_backward(accelerator, model, task, micro_batches, global_targets, dp_size)
+        loss_sum = ddp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -145,7 +158,7 @@ def main():
         monitor.step_end()
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
         if monitor.due(step, "eval"):
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))

@@ -51,7 +51,7 @@ from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.moe import dropped_share, expert_load, moe_layers, update_expert_bias
 from common.sharded_costs import local_bytes, sharded_start_line, sharded_summary
-from common.task import check_loss_is_a_sum
+from common.task import check_task_contract
 from common.training import StepFeed, clip_grad_norm_, make_optimizer, make_scheduler, shard_loader
 
 
@@ -233,7 +233,7 @@ def main():
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
-    check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
+    check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress, task.count_targets

@@ -31,6 +31,7 @@ import torch
 from accelerate.utils import set_seed
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from common.batchnorm import average_running_stats, batchnorm_line, sync_batchnorm
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import build_parser, check_core_args, data_source
 from common.costs import count_parameters
@@ -41,7 +42,7 @@ from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.sharded_costs import sharded_start_line, sharded_summary
-from common.task import check_loss_is_a_sum
+from common.task import check_task_contract
 from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
 
 
@@ -74,7 +75,9 @@ def apply_fsdp(units, roots: list, mesh, mixed_precision="no", reshard_after_for
         fully_shard(root, reshard_after_forward=False, **kwargs)
 
 
-def fsdp_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
+def fsdp_forward_backward(
+    accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int
+) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
     normalised by the target count of the whole global batch (all micro-batches, all ranks), not
     averaged per micro-batch (which weights targets unequally when their counts differ)."""
@@ -86,7 +89,7 @@ def fsdp_forward_backward(accelerator, model, task, micro_batches: list, global_
             loss_sum, _ = task.loss_of(model, mb)
             # FSDP averages the gradients over the dp ranks (one reduce-scatter per step):
             # scale back, so the gradient is that of (global loss sum / global targets)
-            accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
+            accelerator.backward(loss_sum * dp_size / n_global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
 
@@ -100,6 +103,8 @@ def main():
     g.add_argument("--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True, help=reshard)
     g.add_argument("--cpu_offload", action="store_true", help="keep shards, gradients, optimizer state in CPU memory")
     g.add_argument("--activation_checkpointing", action="store_true", help="recompute each unit's activations")
+    sync_bn = "BatchNorm over the global micro-batch (all dp ranks): the same run as one process (without it, each "
+    g.add_argument("--sync_batchnorm", action="store_true", help=sync_bn + "rank normalises its own micro-batch)")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/fsdp"
     check_core_args(args)
@@ -153,6 +158,8 @@ def main():
         apply_activation_checkpointing(units)  # FSDP: less activation memory, one more forward per unit
     if args.compile:
         compile_units(units, accelerator)  # after activation checkpointing, before fully_shard
+    if args.sync_batchnorm and dp_size > 1:  # FSDP: BatchNorm normalises over the global micro-batch
+        sync_batchnorm(model, accelerator.device, layout.group("dp"))
     shard = dp_size > 1 or args.cpu_offload  # one rank has nothing to shard (torchtitan's rule: docs/fsdp.md)
     if shard:  # FSDP: shard every unit, then the root
         mesh = layout.fsdp_mesh or layout.sub("dp_shard")
@@ -165,7 +172,7 @@ def main():
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
-    check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
+    check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -179,18 +186,20 @@ def main():
     )
     monitor = RunMonitor(accelerator, args, "train_fsdp", progress["step"], layout.world_size, global_batch_size)
     fsdp_line = f"FSDP over {layout.dp_replicate} x {layout.dp_shard} ranks (replicas x shards)"
+    fsdp_line += "" if len(units) else "; the Task names no units: the whole model is one FSDP unit"
     fsdp_line = fsdp_line if shard else "FSDP over 1 rank: nothing to shard, so fully_shard is not applied"
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
-    monitor.start(task, model_line, n_params, data, [fsdp_line, costs], resume_path, layout)
+    bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
+    monitor.start(task, model_line, n_params, data, [fsdp_line, costs, bn_line], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
         monitor.step_start()
-        micro_batches, global_targets = feed.next_step()
+        micro_batches, n_global_targets = feed.next_step()
         with monitor.collectives():  # FSDP: per unit all-gather, compute; backward reduce-scatters (counted once)
-            loss_sum = fsdp_forward_backward(accelerator, model, task, micro_batches, global_targets, dp_size)
+            loss_sum = fsdp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # FSDP: each rank updates its own shard
@@ -200,8 +209,10 @@ def main():
         monitor.step_end()
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+        if monitor.due(step, "eval") or monitor.due(step, "checkpoint") or feed.preempted:
+            average_running_stats(model, layout.group("dp"))  # FSDP: one set of BatchNorm statistics for all ranks
         if monitor.due(step, "eval"):
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
@@ -210,6 +221,7 @@ def main():
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
+        average_running_stats(model, layout.group("dp"))  # FSDP: the ranks' BatchNorm statistics, averaged
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
     monitor.summary(step, preempted=feed.preempted, **costs)

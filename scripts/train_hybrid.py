@@ -55,7 +55,7 @@ from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.pipeline import add_pipeline_args, check_pipeline_layout, parse_pipeline_flags
 from common.sharded_costs import sharded_start_line, sharded_summary
-from common.task import check_loss_is_a_sum
+from common.task import check_task_contract
 from common.training import (
     StepFeed,
     clip_grad_norm_,
@@ -217,7 +217,7 @@ def main():
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     if layout.pp == 1:  # a mean would train silently wrong; under PP no rank holds the whole model to run it
-        check_loss_is_a_sum(
+        check_task_contract(
             task,
             model,
             data.validation,

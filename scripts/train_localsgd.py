@@ -18,10 +18,11 @@ Streaming DiLoCo (--fragments F) fuses the blocks in F fragments, fragment f at 
 (mod K): the same bytes, spread over time, so the peak bandwidth is F times lower; --outer_dtype bf16
 halves the bytes of the pseudo-gradient all-reduce. Each fusion is ONE all-reduce of a flat buffer.
 
-What is fused: the parameters, and nothing else. Each rank keeps its own inner (AdamW) optimizer state;
-buffers are not fused (the built-in model has none). With plain SGD, no clipping and K = 1, `average`
-IS data parallelism (averaging the parameters after a linear update equals averaging the gradients);
-with Adam, or K > 1, the replicas wander apart between fusions: less communication, bought with some
+What is fused: the parameters, and the running statistics of BatchNorm layers (averaged, as at each
+evaluation and checkpoint: common/batchnorm.py). Each rank keeps its own inner (AdamW) optimizer state.
+With plain SGD, no clipping and K = 1, `average` IS data parallelism (averaging the parameters after
+a linear update equals averaging the gradients); with Adam, or K > 1, the replicas wander apart
+between fusions: less communication, bought with some
 accuracy per step (benchmarks/bench_localsgd.py measures it).
 
 Each rank divides its loss sum by the target count of the whole global batch, as DDP does: the
@@ -48,8 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 from accelerate import DistributedType
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
+from common.batchnorm import average_running_stats, batchnorm_line, running_stats, sync_batchnorm
 from common.checkpoint import (
     check_resume_and_output,
     export_model,
@@ -65,12 +67,14 @@ from common.evaluation import evaluate
 from common.launch import launcher_sharding, make_accelerator, run_main
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
-from common.task import check_loss_is_a_sum
+from common.task import check_task_contract
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
 
 
 # ======================================== Local SGD and DiLoCo: the strategy
-def local_forward_backward(accelerator, model, task, micro_batches: list, global_targets, dp_size: int) -> torch.Tensor:
+def local_forward_backward(
+    accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int
+) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The gradients stay
     local (DDP is kept in no_sync). The loss is normalised by the target count of the whole global
     batch (all micro-batches, all ranks), as in train_ddp.py, and multiplied by dp_size because the
@@ -78,7 +82,7 @@ def local_forward_backward(accelerator, model, task, micro_batches: list, global
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         loss_sum, _ = task.loss_of(model, mb)
-        accelerator.backward(loss_sum * dp_size / global_targets)  # Accelerate: backward
+        accelerator.backward(loss_sum * dp_size / n_global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
 
@@ -101,7 +105,7 @@ def split_fragments(model, units: list, n_fragments: int) -> list[list[torch.nn.
     return fragments
 
 
-class ModelFusion:
+class ReplicaSync:
     """Fuses the replicas: fragment f at the steps ≡ f·K/F (mod K), each fusion ONE all-reduce of
     a flat buffer of the fragment (Accelerate's LocalSGD makes one all-reduce per tensor).
 
@@ -113,6 +117,8 @@ class ModelFusion:
 
     def __init__(self, model, fragments, sync_every, dp_size, outer_optimizer, outer_lr, outer_momentum, outer_dtype):
         self.fragments, self.sync_every, self.dp_size = fragments, sync_every, dp_size
+        self.model = model  # its BatchNorm statistics are averaged with the last fragment (not outer-stepped)
+        self.compared = [*fragments[:-1], fragments[-1] + running_stats(model)]  # what the spread compares
         name_of = {id(p): name.removeprefix("module.") for name, p in model.named_parameters()}
         self.names = [[name_of[id(p)] for p in fragment] for fragment in fragments]  # saved with θ_last
         self.outer_optimizer, self.outer_dtype = outer_optimizer, outer_dtype
@@ -160,6 +166,9 @@ class ModelFusion:
                 new = torch.cat([t.reshape(-1) for t in last]).to(device)
         for p, value in zip(params, new.split([p.numel() for p in params])):
             p.copy_(value.view_as(p))  # every rank continues from the fused parameters
+        if fragment == len(self.fragments) - 1 and self.dp_size > 1:
+            with self.counter:
+                average_running_stats(self.model)  # BatchNorm's statistics: averaged, whatever the outer optimizer
         self.last_fused[fragment] = step
         self.fusions[fragment] += 1
 
@@ -239,11 +248,12 @@ def replica_spread(accelerator, fragments) -> list[float]:
     return (gathered.max(0).values - gathered.min(0).values).tolist()
 
 
-def replicas(accelerator, fusion: ModelFusion, fused: list[int]) -> dict:
-    """What a train record adds: whether the step ended with a fusion (which fragments), and the spread."""
-    spread = replica_spread(accelerator, fusion.fragments)
+def replicas(accelerator, replica_sync: ReplicaSync, fused: list[int]) -> dict:
+    """What a train record adds: whether the step ended with a fusion (which fragments), and the spread
+    of the replicas (parameters and BatchNorm statistics)."""
+    spread = replica_spread(accelerator, replica_sync.compared)
     record = {"fused": bool(fused), "param_spread": max(spread)}
-    if len(fusion.fragments) > 1:
+    if len(replica_sync.fragments) > 1:
         record |= {"fused_fragments": fused, "fragment_spread": spread}
     return record
 
@@ -285,6 +295,8 @@ def main():
         help="every rank also saves its own model right before the final fusion, to OUTPUT_DIR/rank_models/rank_<r> "
         "(for merge_checkpoints.py)",
     )
+    sync_bn = "BatchNorm over the global micro-batch (all ranks; with K = 1 and sgd: DDP); without it, each rank "
+    g.add_argument("--sync_batchnorm", action="store_true", help=sync_bn + "normalises its own micro-batch")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/localsgd"
     check_core_args(args)
@@ -321,10 +333,13 @@ def main():
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
     # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
     # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    # Local SGD: each replica keeps its own buffers (BatchNorm statistics) until a fusion averages them, as its
+    # parameters: DDP's broadcast of rank 0's buffers at every forward is turned off.
     accelerator = make_accelerator(
         args,
         cpu=args.cpu or not torch.cuda.is_available(),
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
     )
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         raise UsageError(
@@ -364,18 +379,20 @@ def main():
 
     # ---------------------------------------- Local SGD and DiLoCo: the strategy
     units = unit_modules(task.units(model))  # the blocks: Streaming DiLoCo's fragments are runs of them
-    if args.fragments > len(units):
+    if args.fragments > max(1, len(units)):
         raise UsageError(
             f"--fragments {args.fragments}: the model has {len(units)} blocks, and a fragment holds at least one; "
-            f"use --fragments {len(units)} or fewer"
+            f"use --fragments {max(1, len(units))} or fewer"
         )
+    if args.sync_batchnorm and dp_size > 1:  # BatchNorm normalises over the global micro-batch
+        sync_batchnorm(model, accelerator.device)
     fragments = split_fragments(model, units, args.fragments)
     # Accelerate: wraps the model in DistributedDataParallel (kept in no_sync below), moves everything to
     # the device, and shards the loader: rank r takes every dp_size-th micro-batch.
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     no_sync = accelerator.no_sync(model)  # Local SGD: DDP never all-reduces the gradients from here on
     no_sync.__enter__()
-    fusion = ModelFusion(  # DiLoCo: after prepare, so θ_last is taken from the parameters every rank starts from
+    replica_sync = ReplicaSync(  # DiLoCo: after prepare, so θ_last is taken from the parameters every rank starts from
         model,
         fragments,
         args.sync_every,
@@ -386,10 +403,10 @@ def main():
         torch.bfloat16 if args.outer_dtype == "bf16" else torch.float32,
     )
 
-    check_loss_is_a_sum(task, model, data.validation, accelerator.device)  # a mean would train silently wrong
+    check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     if resume_path:  # DiLoCo: θ_last and the outer momentum, as the checkpoint left them
-        fusion.load_state_dict(load_extra_state(resume_path), resume_path)
+        replica_sync.load_state_dict(load_extra_state(resume_path), resume_path)
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -403,37 +420,41 @@ def main():
     ddp_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # DDP: fp32 gradients, every step
     method = "DiLoCo" if args.outer_optimizer == "nesterov" else "Local SGD"
     where = f" in {args.fragments} fragments, each" if args.fragments > 1 else ""
+    fusion_mib = replica_sync.fragment_mib
     fusion_line = (
-        f"{method}: fusing every {args.sync_every} steps{where}; {max(fusion.fragment_mib):.2f} MiB per fusion and "
-        f"rank = {sum(fusion.fragment_mib) / args.sync_every:.3f} MiB per step (DDP: {ddp_mib:.2f} MiB per step)"
+        f"{method}: fusing every {args.sync_every} steps{where}; {max(fusion_mib):.2f} MiB per fusion and "
+        f"rank = {sum(fusion_mib) / args.sync_every:.3f} MiB per step (DDP: {ddp_mib:.2f} MiB per step)"
     )
-    monitor.start(task, model_line, n_params, data, [fusion_line], resume_path)
+    bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
+    monitor.start(task, model_line, n_params, data, [fusion_line, bn_line], resume_path)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
         monitor.step_start()
-        micro_batches, global_targets = feed.next_step()
+        micro_batches, n_global_targets = feed.next_step()
         # Local SGD: forward and backward of each micro-batch; the gradients stay on this rank
-        loss_sum = local_forward_backward(accelerator, model, task, micro_batches, global_targets, dp_size)
+        loss_sum = local_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        fused = fusion.after_step(step)  # Local SGD / DiLoCo: the fragments due at this step are fused
+        fused = replica_sync.after_step(step)  # Local SGD / DiLoCo: the fragments due at this step are fused
         monitor.step_end()
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / global_targets).item()  # Accelerate: all-reduce
-            monitor.train(step, loss, lr, grad_norm, **replicas(accelerator, fusion, fused), epoch=feed.epoch)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
+            monitor.train(step, loss, lr, grad_norm, **replicas(accelerator, replica_sync, fused), epoch=feed.epoch)
+        if monitor.due(step, "eval") or monitor.due(step, "checkpoint") or feed.preempted:
+            average_running_stats(model)  # one set of BatchNorm statistics (the parameters stay each rank's)
         if monitor.due(step, "eval") and step < args.max_steps:  # Local SGD: the last one scores the fused model
             # between fusions each rank scores its share of the samples with its own replica
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
         if monitor.due(step, "checkpoint") or feed.preempted:  # the replicas differ: every rank saves its own
-            state = fusion.state_dict()  # DiLoCo: θ_last and the outer momentum, the same on every rank
+            state = replica_sync.state_dict()  # DiLoCo: θ_last and the outer momentum, the same on every rank
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts, True, extra_state=state)
     feed.close()
 
@@ -443,9 +464,9 @@ def main():
         rank_dir = Path(args.output_dir) / "rank_models" / f"rank_{accelerator.process_index}"
         task.export(local_state, rank_dir, data_source(args))
     if step == args.max_steps:  # every rank: the main process writes
-        fusion.finish(step)  # Local SGD / DiLoCo: the final fusion of every fragment not fused at this step
+        replica_sync.finish(step)  # Local SGD / DiLoCo: the final fusion of every fragment not fused at this step
         result = evaluate(accelerator, model, task, data.validation, args.eval_batch_size)
-        spread = max(replica_spread(accelerator, fusion.fragments))
+        spread = max(replica_spread(accelerator, replica_sync.compared))
         monitor.eval(step, result, fused_model=True, param_spread=spread)
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")  # the fused model
     no_sync.__exit__(None, None, None)
@@ -458,7 +479,7 @@ def main():
         outer_optimizer=args.outer_optimizer,
         fragments=args.fragments,
         outer_dtype=args.outer_dtype,
-        **fusion.report(step - progress["step"]),
+        **replica_sync.report(step - progress["step"]),
         ddp_allreduce_mib_per_step_per_rank=round(ddp_mib, 4) if dp_size > 1 else 0.0,
     )
     if args.save_rank_models and step == args.max_steps:
@@ -466,7 +487,7 @@ def main():
             f"each rank's model before the final fusion: {Path(args.output_dir) / 'rank_models'}/rank_<r> "
             "(fuse them with scripts/merge_checkpoints.py)"
         )
-    del model, optimizer, scheduler, train_loader, feed, fusion  # free DDP's wrapper while every peer is there
+    del model, optimizer, scheduler, train_loader, feed, replica_sync  # free DDP's wrapper while every peer is there
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

@@ -362,7 +362,7 @@ def main():
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
-    # check_loss_is_a_sum (train_ddp.py, train_fsdp.py) is skipped: it runs the whole model on one rank,
+    # check_task_contract (train_ddp.py, train_fsdp.py) is skipped: it runs the whole model on one rank,
     # and through a pipeline no rank holds it
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(

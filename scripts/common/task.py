@@ -104,25 +104,39 @@ class Task:
         raise NotImplementedError
 
 
-def find_units(model: nn.Module, path: str):
-    """The submodule at `path` ("blocks", "model.layers"), checked to be a container of units:
-    otherwise one line naming what was looked for, what the model has, and where to change it."""
-    obj = model
-    for part in path.split("."):
-        if not hasattr(obj, part):
-            children = ", ".join(name for name, _ in obj.named_children()) or "none"
-            raise UsageError(
-                f"the model ({type(model).__name__}) has no '{path}', the container of repeated units (FSDP units, "
-                f"activation checkpointing, --compile, the pipeline split); its children are: {children}. Name your "
-                "model's units in the script's MODEL section (Task.units; docs/your-model.md)"
-            )
-        obj = getattr(obj, part)
+def find_units(model: nn.Module, path):
+    """The repeated units the strategies cut the model at (one FSDP unit each, activation checkpointing,
+    --compile, the pipeline split). `path` names them:
+    - a container of units, "blocks" or "model.layers" (a non-empty nn.ModuleDict or nn.ModuleList);
+    - a list of submodule names, ["conv1", "conv2"]: any structure, nothing to rewrite;
+    - None (or []): no units; FSDP shards the whole model as one unit.
+    Returned as that container, or as an nn.ModuleList holding the named modules (it registers nothing
+    in the model: parameter names do not change). A name the model lacks is one line naming what it has."""
+    if path is None or isinstance(path, (list, tuple)):
+        return nn.ModuleList(_submodule(model, name, name) for name in path or [])
+    obj = _submodule(model, path, "the container of repeated units")
     if not isinstance(obj, (nn.ModuleDict, nn.ModuleList)) or len(obj) == 0:
         raise UsageError(
             f"'{path}' of {type(model).__name__} is a {type(obj).__name__}, not a non-empty nn.ModuleDict or "
-            "nn.ModuleList of repeated units: name a container of blocks in the script's MODEL section "
-            "(Task.units; docs/your-model.md)"
+            "nn.ModuleList of repeated units: name a container of blocks, a list of submodules "
+            '(units_path = ["conv1", "conv2"]) or None in the script\'s MODEL section (Task.units; docs/your-model.md)'
         )
+    return obj
+
+
+def _submodule(model: nn.Module, path: str, what: str) -> nn.Module:
+    obj = model
+    for part in path.split("."):
+        if not isinstance(getattr(obj, part, None), nn.Module):
+            children = ", ".join(name for name, _ in obj.named_children()) or "none"
+            raise UsageError(
+                f"the model ({type(model).__name__}) has no '{path}' ({what}: FSDP units, activation checkpointing, "
+                f"--compile, the pipeline split); {'its' if obj is model else f'its {part!r} has'} children are: "
+                f"{children}. Name your model's units in the script's MODEL section: a container "
+                '(units_path = "layers"), a list of submodules (units_path = ["conv1", "conv2"]) or None '
+                "(Task.units; docs/your-model.md)"
+            )
+        obj = getattr(obj, part)
     return obj
 
 
@@ -238,30 +252,96 @@ def first(x, k: int):
     return rows(x, 0, k)
 
 
+CONTRACT = "fix it in the script's MODEL section (the contract: docs/your-model.md)"
+ANSWERS = {  # what each method of the contract answers, for the line that says it is missing
+    "inputs": "the model's positional inputs, a tuple: model(*task.inputs(batch))",
+    "targets": "what the loss compares the outputs with",
+    "count_targets": "the number of targets in a micro-batch, counted before the forward (e.g. batch[1].numel())",
+    "loss": "(loss_sum, n_targets) of the outputs: the loss SUMMED over the micro-batch, and its target count",
+    "eval_sums": "a dict of sums over a batch",
+    "eval_metrics": "a dict of the reported figures with 'eval_loss'",
+}
+
+
+def _contract_error(method: str, returned, expected: str) -> UsageError:
+    return UsageError(f"Task.{method} returned {_describe(returned)}; expected {expected}: {CONTRACT}")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a Tensor of shape {tuple(value.shape)}" if value.dim() else f"a 0-dim Tensor ({value.item():.6g})"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: ({', '.join(_describe(v) for v in value)})"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(value)}"
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+def _call(task: Task, method: str, *args):
+    """Task.<method>(*args), with a method left unimplemented, or one that raises, as one line."""
+    try:
+        return getattr(task, method)(*args)
+    except NotImplementedError:
+        answers = ANSWERS.get(method.removesuffix("_of"), "")
+        raise UsageError(
+            f"Task.{method} is not implemented in {type(task).__name__}: it returns {answers}; {CONTRACT}"
+        ) from None
+    except (UsageError, torch.distributed.DistBackendError):
+        raise
+    except Exception as e:
+        where = "the model's forward, model(*Task.inputs(batch))," if method == "loss_of" else f"Task.{method}"
+        raise UsageError(
+            f"{where} raised {type(e).__name__} on 4 validation samples: {str(e).splitlines()[0] if str(e) else ''}; "
+            f"{CONTRACT}"
+        ) from None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+
+
 @torch.no_grad()
-def check_loss_is_a_sum(task: Task, model: nn.Module, validation, device, context=None) -> None:
-    """The contract's most silent mistake: a loss returned as a MEAN trains, but the script divides
-    it again by the step's target count (logged loss and gradients far too small). A sum is additive
-    over samples: the loss of 4 validation samples must equal the losses of its two halves added,
-    and its n_targets must equal Task.count_targets. Run on every rank (the forward may be a collective)."""
+def check_task_contract(task: Task, model: nn.Module, validation, device, context=None) -> None:
+    """Run every Task method once on 4 validation samples before step 1, so that a mistake in the
+    MODEL section is one `error:` line naming the method, what it returned and what was expected,
+    not a traceback deep in a strategy or a silent wrong run. The most silent mistake is a loss
+    returned as a MEAN: it trains, but the script divides it again by the step's target count
+    (logged loss and gradients far too small). A sum is additive over samples: the loss of 4
+    samples must equal the losses of its two halves added, and its n_targets must equal
+    Task.count_targets. Run on every rank (the forward may be a collective)."""
     from contextlib import nullcontext
 
-    from accelerate.utils import send_to_device
+    from accelerate.utils import send_to_device, slice_tensors
     from torch.utils.data import default_collate
 
     if len(validation) < 4:
         return
     batch = send_to_device(default_collate([validation[i] for i in range(4)]), device)
+    inputs = _call(task, "inputs", batch)
+    if not isinstance(inputs, (tuple, list)):
+        raise _contract_error(
+            "inputs", inputs, "a tuple of the model's positional inputs, e.g. (x,), for model(*inputs)"
+        )
+    _call(task, "targets", batch)
+    counted = _call(task, "count_targets", batch)
+    if not _is_number(counted):
+        raise _contract_error("count_targets", counted, "the number of targets in the micro-batch (an int)")
     was_training = model.training
-    model.eval()  # no dropout
+    model.eval()  # no dropout; BatchNorm uses its running statistics, so each sample's loss is its own
     with context or nullcontext():
-        whole, n_whole = (_float(v) for v in task.loss_of(model, batch))
-        halves = [[_float(v) for v in task.loss_of(model, rows(batch, a, a + 2))] for a in (0, 2)]
+        pair = _call(task, "loss_of", model, batch)
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(_is_number(v) for v in pair)):
+            raise _contract_error("loss", pair, "a pair (loss_sum, n_targets) of numbers: the loss SUMMED")
+        whole, n_whole = (_float(v) for v in pair)
+        halves = [[_float(v) for v in task.loss_of(model, slice_tensors(batch, slice(a, a + 2)))] for a in (0, 2)]
+        outputs = model(*inputs)
+        outputs = outputs.full_tensor() if hasattr(outputs, "full_tensor") else outputs  # loss parallel's logits
+        sums = _call(task, "eval_sums", outputs, task.targets(batch))
     model.train(was_training)
     for module in model.modules():  # FSDP keeps a root gathered after forward: shard it again
         if hasattr(module, "reshard") and hasattr(module, "set_requires_gradient_sync"):
             module.reshard()
-    counted = _float(task.count_targets(batch))
+    counted = _float(counted)
     where = "return (loss_sum, n_targets) from Task.loss in the script's MODEL section (docs/your-model.md)"
     if n_whole != counted:
         raise UsageError(
@@ -275,6 +355,11 @@ def check_loss_is_a_sum(task: Task, model: nn.Module, validation, device, contex
             f"{halves[1][0]:.6g} = {added:.6g} for its two halves (a mean?). The script divides the step's loss by "
             f"its target count itself: use reduction='sum'; {where}"
         )
+    if not (isinstance(sums, dict) and all(_is_number(v) for v in sums.values())):
+        raise _contract_error("eval_sums", sums, "a dict of numbers, sums over the batch (added over batches, ranks)")
+    metrics = _call(task, "eval_metrics", {k: _float(v) for k, v in sums.items()} | {"samples": 4.0})
+    if not isinstance(metrics, dict) or not _is_number(metrics.get("eval_loss")):
+        raise _contract_error("eval_metrics", metrics, "a dict of the reported figures, with 'eval_loss' a number")
 
 
 def _float(value) -> float:
