@@ -99,7 +99,7 @@ def test_tp_size_1_trains_fsdp_over_all_ranks(reference, tmp_path, data_cache):
     assert set(comm) == {"all_gather", "reduce_scatter"}, comm  # no all-reduce: nothing was split for TP
     # forward gathers the root and every unit; backward every unit again (each was resharded after its
     # forward), not the root (kept gathered from its forward to its backward). The root is gathered in this
-    # step at all because check_loss_is_a_sum, which runs the model before the loop, reshards it after.
+    # step at all because check_task_contract, which runs the model before the loop, reshards it after.
     assert comm["all_gather"]["calls"] == (1 + n_units) + n_units
     # one reduce-scatter per FSDP unit and root (no accumulation): every gradient once, at full size
     assert comm["reduce_scatter"]["calls"] == 1 + n_units

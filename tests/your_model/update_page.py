@@ -25,6 +25,16 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 PAGES = {"en": REPO / "docs" / "your-model.md", "zh": REPO / "docs" / "zh" / "your-model.md"}
 SCRIPT_NAMES = ("train_fsdp.py", "train_tp.py")
+# the second example, a CNN classifier with BatchNorm: its diffs are labelled digits/<script> (patch -p1)
+DIGITS_SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_localsgd.py")
+DIGITS_DATA = """    from digits import digits_data  # your data, model and Task: digits.py, beside this copy
+
+    data = digits_data()
+"""
+DIGITS_MODEL = """    from digits import DigitsCNN, DigitsTask
+
+    model, task = DigitsCNN(), DigitsTask()
+"""
 
 DATA = """    from types import SimpleNamespace
 
@@ -58,13 +68,14 @@ def replace_once(pattern: str, new: str, text: str, what: str) -> str:
     return text
 
 
-def edit(script: str, text: str) -> str:
+def edit(script: str, text: str, data: str = DATA, model: str = MODEL) -> str:
     """The page's adaptation of `script`, as a recipe that survives changes around it."""
-    data = DATA
     text = replace_once(r"^    data = load_data\(.*\)\n", data, text, "the data line")
     text = replace_once(
-        r"(^    # .*\n)*^    model, task = language_model\(args, data\)\n", MODEL, text, "the model line"
+        r"(^    # .*\n)*^    model, task = language_model\(args, data\)\n", model, text, "the model line"
     )
+    if model is not MODEL:
+        return text
     if script == "train_tp.py":
         text = replace_once(GPT_PLAN, PLAN, text, "the built-in GPT's TP plan")
     return text
@@ -141,6 +152,32 @@ def main() -> None:
                 )
                 texts[lang] = re.sub(rf"^\| `{re.escape(script)}` \|.*$", lambda _: row, texts[lang], flags=re.M)
                 rows[(lang, script)] = row
+        for script in DIGITS_SCRIPTS:  # the CNN classifier's copies: data and MODEL sections only
+            original = (SCRIPTS / script).read_text(encoding="utf-8")
+            copy = Path(tmp) / f"digits_{script}"
+            copy.write_text(edit(script, original, DIGITS_DATA, DIGITS_MODEL), encoding="utf-8")
+            label = f"digits/{script}"
+            diff = subprocess.run(
+                ["diff", "-u", "--label", label, "--label", label, str(SCRIPTS / script), str(copy)],
+                capture_output=True,
+                text=True,
+            )
+            per = changes_per_section(original, diff.stdout)
+            added, removed = sum(a for a, _ in per.values()), sum(r for _, r in per.values())
+            for lang in texts:
+                texts[lang] = re.sub(
+                    rf"^```diff\n--- {re.escape(label)}\n.*?^```\n",
+                    lambda _: f"```diff\n{diff.stdout}```\n",
+                    texts[lang],
+                    flags=re.M | re.S,
+                )
+                texts[lang] = re.sub(
+                    rf"^(\| `{re.escape(label)}` \| )[\d,]+( \| )\+\d+ −\d+",
+                    lambda m: f"{m.group(1)}{len(original.splitlines())}{m.group(2)}+{added} −{removed}",
+                    texts[lang],
+                    flags=re.M,
+                )
+            rows[("digits", script)] = f"{label}: {len(original.splitlines())} lines, +{added} −{removed} {per}"
     for lang, path in PAGES.items():
         for name, n in common.items():
             texts[lang] = re.sub(
