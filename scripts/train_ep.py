@@ -161,6 +161,11 @@ def check_ep_flags(args, world_size: int) -> int:
             "--compile: train_ep.py does not compile its blocks yet (the all-to-all's splits depend on the routing, "
             "which breaks the graph at every MoE layer); drop --compile"
         )
+    if args.n_experts < 1:  # a dense model has no experts to cut: it would train as plain FSDP, silently
+        raise UsageError(
+            f"--n_experts {args.n_experts}: expert parallelism cuts the experts of MoE layers, and this model has none; "
+            "give it experts (--n_experts 8, the default), or train a dense model with train_fsdp.py"
+        )
     if ep < 1:
         raise UsageError(f"--ep_size must be at least 1 (got {ep}; leave it out: all {world_size} processes)")
     if world_size % ep:

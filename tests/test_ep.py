@@ -182,13 +182,14 @@ BAD_INPUT = [
     (["--n_experts", "6", "--ep_size", "4"], ["--n_experts 6 is not divisible by --ep_size 4", "multiple of 4"]),
     (["--n_experts", "4", "--top_k", "5"], ["--top_k 5 with --n_experts 4", "1 <= top_k <= n_experts"]),
     (["--n_experts", "4", "--ep_size", "3"], ["--ep_size 3 does not divide the 4 data-parallel processes"]),
+    (["--n_experts", "0"], ["--n_experts 0: expert parallelism cuts the experts", "train_fsdp.py"]),  # a dense model
 ]
 
 
 def test_bad_input_is_one_line(tmp_path):
-    """E not divisible by ep, top_k > E, ep not dividing the data-parallel degree: checked from the flags
+    """E not divisible by ep, top_k > E, ep not dividing the data-parallel degree, no experts at all: checked from the flags
     and the launcher's WORLD_SIZE before any process group exists, so each gives one `error:` line with
-    the fix, exit 2, nothing written (a 4-process launch fails the same way). The three run in one
+    the fix, exit 2, nothing written (a 4-process launch fails the same way). The four run in one
     interpreter, one after the other, each as `python scripts/train_ep.py` with WORLD_SIZE=4."""
     cases = [
         ("train_ep.py", [*TINY, *flags, "--output_dir", tmp_path / str(i)], {"WORLD_SIZE": "4"})
