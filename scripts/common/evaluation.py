@@ -26,13 +26,13 @@ def evaluate(accelerator, model, task, validation, batch_size: int, layout=None,
     (`layout.holds_loss`) adds its sums, so each sample counts once, not once per TP rank
     (docs/troubleshooting.md, "Evaluation counted once per TP rank")."""
     dp = layout.dp if layout is not None else accelerator.num_processes
-    r = layout.dp_rank if layout is not None else accelerator.process_index
-    counts = layout is None or layout.holds_loss
+    dp_rank = layout.dp_rank if layout is not None else accelerator.process_index
+    adds_sums = layout is None or layout.holds_loss  # one rank per data-parallel replica
     predict = predict or model
     n = len(validation)
     n_batches = math.ceil(math.ceil(n / dp) / batch_size)
-    mine = list(range(r, n, dp))
-    indices = (mine + [mine[0]] * (n_batches * batch_size))[: n_batches * batch_size]
+    my_samples = list(range(dp_rank, n, dp))
+    indices = (my_samples + [my_samples[0]] * (n_batches * batch_size))[: n_batches * batch_size]
     was_training = model.training
     model.eval()
     sums: dict[str, float] = defaultdict(float)
@@ -40,8 +40,8 @@ def evaluate(accelerator, model, task, validation, batch_size: int, layout=None,
         batch = send_to_device(batch, accelerator.device)
         with accelerator.autocast():  # Accelerate: autocast
             outputs = full_outputs(predict(*task.inputs(batch)))  # loss parallel: a collective, every TP rank
-        real = min(batch_size, len(mine) - i * batch_size)  # the rest of the batch is padding
-        if outputs is None or not counts or real <= 0:
+        real = min(batch_size, len(my_samples) - i * batch_size)  # the rest of the batch is padding
+        if outputs is None or not adds_sums or real <= 0:
             continue
         outputs = getattr(outputs, "logits", outputs)  # a 🤗 output object: Task.eval_sums gets its logits
         scored = slice(0, real)
