@@ -234,24 +234,6 @@ def replace_dir(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-# ---------------------------------------------------------------- batches of any structure
-def rows(x, start: int, stop: int):
-    """Samples start..stop-1 of a batch, its outputs or targets: tensors, tuples, lists, dicts, 🤗 outputs."""
-    if isinstance(x, torch.Tensor):
-        return x[start:stop]
-    if isinstance(x, (tuple, list)):
-        return type(x)(rows(v, start, stop) for v in x)
-    if hasattr(x, "logits"):
-        return rows(x.logits, start, stop)
-    if isinstance(x, dict):
-        return {key: rows(v, start, stop) for key, v in x.items()}
-    return x
-
-
-def first(x, k: int):
-    return rows(x, 0, k)
-
-
 CONTRACT = "fix it in the script's MODEL section (the contract: docs/your-model.md)"
 ANSWERS = {  # what each method of the contract answers, for the line that says it is missing
     "inputs": "the model's positional inputs, a tuple: model(*task.inputs(batch))",
@@ -314,6 +296,8 @@ def check_task_contract(task: Task, model: nn.Module, validation, device, contex
     from accelerate.utils import send_to_device, slice_tensors
     from torch.utils.data import default_collate
 
+    from .evaluation import full_outputs
+
     if len(validation) < 4:
         return
     batch = send_to_device(default_collate([validation[i] for i in range(4)]), device)
@@ -334,8 +318,7 @@ def check_task_contract(task: Task, model: nn.Module, validation, device, contex
             raise _contract_error("loss", pair, "a pair (loss_sum, n_targets) of numbers: the loss SUMMED")
         whole, n_whole = (_float(v) for v in pair)
         halves = [[_float(v) for v in task.loss_of(model, slice_tensors(batch, slice(a, a + 2)))] for a in (0, 2)]
-        outputs = model(*inputs)
-        outputs = outputs.full_tensor() if hasattr(outputs, "full_tensor") else outputs  # loss parallel's logits
+        outputs = full_outputs(model(*inputs))  # loss parallel: vocabulary-sharded logits made whole, as evaluate does
         sums = _call(task, "eval_sums", outputs, task.targets(batch))
     model.train(was_training)
     for module in model.modules():  # FSDP keeps a root gathered after forward: shard it again
