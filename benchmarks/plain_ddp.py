@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from common.causal_lm import cross_entropy_sum
 from common.cli import DEFAULT_CACHE_DIR
 from common.data import _encode_addition, build_addition
 from common.model import GPT, GPTConfig
-from common.task import cross_entropy_sum
 
 
 def main():

@@ -37,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 
-from common.checkpoint import load_exported, task_spec_for
+from common.causal_lm import logits_of
 from common.cli import SOURCE_DEFAULTS, SOURCE_KEYS, HelpFormatter, add_data_args, check_data_args
 from common.data import load_data
 from common.errors import UsageError
 from common.evaluation import evaluate
+from common.exported import load_exported, task_spec_for
 from common.launch import make_accelerator, run_main
-from common.task import logits_of
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 
-from common.checkpoint import load_exported
 from common.cli import HelpFormatter
 from common.errors import UsageError
+from common.exported import load_exported
 from common.launch import run_main
 
 

@@ -163,8 +163,8 @@ def check_ep_flags(args, world_size: int) -> int:
         )
     if args.n_experts < 1:  # a dense model has no experts to cut: it would train as plain FSDP, silently
         raise UsageError(
-            f"--n_experts {args.n_experts}: expert parallelism cuts the experts of MoE layers, and this model has none; "
-            "give it experts (--n_experts 8, the default), or train a dense model with train_fsdp.py"
+            f"--n_experts {args.n_experts}: expert parallelism cuts the experts of MoE layers, and this model has "
+            "none; give it experts (--n_experts 8, the default), or train a dense model with train_fsdp.py"
         )
     if ep < 1:
         raise UsageError(f"--ep_size must be at least 1 (got {ep}; leave it out: all {world_size} processes)")

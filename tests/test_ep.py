@@ -187,9 +187,9 @@ BAD_INPUT = [
 
 
 def test_bad_input_is_one_line(tmp_path):
-    """E not divisible by ep, top_k > E, ep not dividing the data-parallel degree, no experts at all: checked from the flags
-    and the launcher's WORLD_SIZE before any process group exists, so each gives one `error:` line with
-    the fix, exit 2, nothing written (a 4-process launch fails the same way). The four run in one
+    """E not divisible by ep, top_k > E, ep not dividing the data-parallel degree, no experts at all:
+    checked from the flags and the launcher's WORLD_SIZE before any process group exists, so each gives
+    one `error:` line with the fix, exit 2, nothing written (a 4-process launch fails the same way). The four run in one
     interpreter, one after the other, each as `python scripts/train_ep.py` with WORLD_SIZE=4."""
     cases = [
         ("train_ep.py", [*TINY, *flags, "--output_dir", tmp_path / str(i)], {"WORLD_SIZE": "4"})

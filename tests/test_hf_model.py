@@ -168,7 +168,7 @@ def test_loss_then_export_loads_with_from_pretrained(configs, tmp_path):
     assert torch.equal(again.model.layers[1].self_attn.q_proj.bias, model.model.layers[1].self_attn.q_proj.bias)
     assert f"pretrained {out}" in task2.describe(again) and not again.config.use_cache
     assert task2.config()["model_type"] == "qwen2"
-    # what evaluate.py loads (common/checkpoint.py: load_exported): the same model, its context from the config
+    # what evaluate.py loads (common/exported.py: load_exported): the same model, its context from the config
     evaluated, task3 = load_exported_hf(out)
     with torch.no_grad():
         assert torch.equal(mean_loss(task3, evaluated, ids, labels), loss.detach())

@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .causal_lm import CausalLMTask
 from .errors import UsageError
-from .task import CausalLMTask, find_units, replace_dir
+from .task import find_units, replace_dir
 
 BYTE_VOCAB = 256  # the built-in data is UTF-8 bytes (common/data.py, common/model.py VOCAB_SIZE)
 UNITS_PATH = "model.layers"

@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .causal_lm import CausalLMTask
 from .errors import UsageError
 from .presets import MODEL_PRESETS
-from .task import CausalLMTask
 
 VOCAB_SIZE = 256  # byte-level: every data set is UTF-8 bytes, so no tokenizer download is ever needed
 
