@@ -420,7 +420,7 @@ def main():
         dp_group=layout.group("dp"),
     )
     predict = whole_sequence_predict(model, task, attention, layout)  # CP: evaluation reads whole sequences
-    monitor = RunMonitor(accelerator, args, "train_cp", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_cp", feed, layout.world_size, global_batch_size)
     seq_len = task.tokens_per_sample
     if layout.cp == 1:
         cp_line = "context parallel over 1 rank: nothing to cut, so the ring attention is not installed"
@@ -439,23 +439,22 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        monitor.step_start()
-        micro_batches, n_global_targets = feed.next_step()
-        with monitor.collectives():  # CP: K/V around the ring every layer; FSDP: all-gather, reduce-scatter
-            loss_sum = cp_forward_backward(
-                accelerator, model, task, micro_batches, n_global_targets, layout, args.cp_impl
-            )
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()  # FSDP: each rank updates its own shard
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        monitor.step_end()
+        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+            micro_batches, n_global_targets = feed.next_step()
+            with monitor.collectives():  # CP: K/V around the ring every layer; FSDP: all-gather, reduce-scatter
+                loss_sum = cp_forward_backward(
+                    accelerator, model, task, micro_batches, n_global_targets, layout, args.cp_impl
+                )
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()  # FSDP: each rank updates its own shard
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
         if monitor.due(step, "train"):  # every rank holds the loss of its own tokens: the sum is the batch's
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
-            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+            monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
             monitor.eval(
                 step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout, predict)

@@ -135,7 +135,7 @@ def main():
         progress,
         task.count_targets,
     )
-    monitor = RunMonitor(accelerator, args, "train_ddp", progress["step"], dp_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_ddp", feed, dp_size, global_batch_size)
     allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
     ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB"
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
@@ -145,21 +145,20 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        monitor.step_start()
-        micro_batches, n_global_targets = feed.next_step()
-        # DDP: forward and backward of each micro-batch; the gradient all-reduce runs inside the last backward
-        loss_sum = ddp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        monitor.step_end()
+        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+            micro_batches, n_global_targets = feed.next_step()
+            # DDP: forward and backward of each micro-batch; the gradient all-reduce runs inside the last backward
+            loss_sum = ddp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
-            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+            monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)

@@ -243,7 +243,7 @@ def main():
     feed = StepFeed(
         accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress, task.count_targets
     )
-    monitor = RunMonitor(accelerator, args, "train_ep", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_ep", feed, layout.world_size, global_batch_size)
     n_experts = args.n_experts
     ep_line = f"EP over {ep_size} ranks: {n_experts // ep_size} of {n_experts} experts per rank"
     ep_line += f", each cut again over {dp_size // ep_size} groups (FSDP)" if dp_size > ep_size else ""
@@ -255,23 +255,20 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        monitor.step_start()
-        micro_batches, n_global_targets = feed.next_step()
-        with monitor.collectives():  # EP: per MoE layer, all-to-all out and back (and again in backward)
-            loss_sum = ep_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()  # the expert bias has moved already (ep_forward_backward)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        monitor.step_end()
+        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+            micro_batches, n_global_targets = feed.next_step()
+            with monitor.collectives():  # EP: per MoE layer, all-to-all out and back (and again in backward)
+                loss_sum = ep_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()  # the expert bias has moved already (ep_forward_backward)
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
-            monitor.train(
-                step, loss, lr, grad_norm, epoch=feed.epoch, **routing_record(model, ep_size, args.capacity_factor)
-            )
+            monitor.train(step, loss, lr, grad_norm, **routing_record(model, ep_size, args.capacity_factor))
         if monitor.due(step, "eval"):
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)

@@ -31,7 +31,7 @@ import torch
 from accelerate.utils import set_seed
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.batchnorm import average_running_stats, batchnorm_line, sync_batchnorm
+from common.batchnorm import batchnorm_line, sync_batchnorm
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import build_parser, check_core_args, data_source
 from common.costs import count_parameters
@@ -184,7 +184,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    monitor = RunMonitor(accelerator, args, "train_fsdp", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_fsdp", feed, layout.world_size, global_batch_size)
     fsdp_line = f"FSDP over {layout.dp_replicate} x {layout.dp_shard} ranks (replicas x shards)"
     fsdp_line += "" if len(units) else "; the Task names no units: the whole model is one FSDP unit"
     fsdp_line = fsdp_line if shard else "FSDP over 1 rank: nothing to shard, so fully_shard is not applied"
@@ -196,23 +196,20 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        monitor.step_start()
-        micro_batches, n_global_targets = feed.next_step()
-        with monitor.collectives():  # FSDP: per unit all-gather, compute; backward reduce-scatters (counted once)
-            loss_sum = fsdp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()  # FSDP: each rank updates its own shard
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        monitor.step_end()
+        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+            micro_batches, n_global_targets = feed.next_step()
+            with monitor.collectives():  # FSDP: per unit all-gather, compute; backward reduce-scatters (counted once)
+                loss_sum = fsdp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()  # FSDP: each rank updates its own shard
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
-            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
-        if monitor.due(step, "eval") or monitor.due(step, "checkpoint") or feed.preempted:
-            average_running_stats(model, layout.group("dp"))  # FSDP: one set of BatchNorm statistics for all ranks
+            monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
@@ -221,7 +218,6 @@ def main():
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
-        average_running_stats(model, layout.group("dp"))  # FSDP: the ranks' BatchNorm statistics, averaged
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
     monitor.summary(step, preempted=feed.preempted, **costs)

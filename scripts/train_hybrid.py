@@ -235,7 +235,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    monitor = RunMonitor(accelerator, args, "train_hybrid", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_hybrid", feed, layout.world_size, global_batch_size)
     applied = (
         ("pipeline split", layout.pp > 1),
         ("tensor parallel", layout.tp > 1),
@@ -253,24 +253,23 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        monitor.step_start()
-        micro_batches, n_global_targets = feed.next_step()
-        with monitor.collectives():  # counts the first step's collectives
-            # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter of gradients
-            loss_sum = forward_backward(
-                micro_batches, n_global_targets
-            )  # one rank per replica holds it (layout.holds_loss)
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # sharded, over the stages
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()  # each rank updates what it holds
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        monitor.step_end()
+        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+            micro_batches, n_global_targets = feed.next_step()
+            with monitor.collectives():  # counts the first step's collectives
+                # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter of gradients
+                loss_sum = forward_backward(
+                    micro_batches, n_global_targets
+                )  # one rank per replica holds it (layout.holds_loss)
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # sharded, over the stages
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()  # each rank updates what it holds
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
-            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+            monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):  # each sample counted once; under PP forward only through the pipeline
             result = evaluate(accelerator, model, task, data.validation, eval_batch_size, layout, predict)
             monitor.eval(step, result)

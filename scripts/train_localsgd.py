@@ -416,7 +416,7 @@ def main():
         progress,
         task.count_targets,
     )
-    monitor = RunMonitor(accelerator, args, "train_localsgd", progress["step"], dp_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_localsgd", feed, dp_size, global_batch_size)
     ddp_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # DDP: fp32 gradients, every step
     method = "DiLoCo" if args.outer_optimizer == "nesterov" else "Local SGD"
     where = f" in {args.fragments} fragments, each" if args.fragments > 1 else ""
@@ -432,24 +432,21 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        monitor.step_start()
-        micro_batches, n_global_targets = feed.next_step()
-        # Local SGD: forward and backward of each micro-batch; the gradients stay on this rank
-        loss_sum = local_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        fused = replica_sync.after_step(step)  # Local SGD / DiLoCo: the fragments due at this step are fused
-        monitor.step_end()
+        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+            micro_batches, n_global_targets = feed.next_step()
+            # Local SGD: forward and backward of each micro-batch; the gradients stay on this rank
+            loss_sum = local_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            fused = replica_sync.after_step(step)  # Local SGD / DiLoCo: the fragments due at this step are fused
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
-            monitor.train(step, loss, lr, grad_norm, **replicas(accelerator, replica_sync, fused), epoch=feed.epoch)
-        if monitor.due(step, "eval") or monitor.due(step, "checkpoint") or feed.preempted:
-            average_running_stats(model)  # one set of BatchNorm statistics (the parameters stay each rank's)
+            monitor.train(step, loss, lr, grad_norm, **replicas(accelerator, replica_sync, fused))
         if monitor.due(step, "eval") and step < args.max_steps:  # Local SGD: the last one scores the fused model
             # between fusions each rank scores its share of the samples with its own replica
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))

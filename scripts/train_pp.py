@@ -375,7 +375,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    monitor = RunMonitor(accelerator, args, "train_pp", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_pp", feed, layout.world_size, global_batch_size)
     n_stages = layout.pp * args.stages_per_rank
     ranges = stage_layers(n_units, n_stages, args.split_points)
     stage_list = ", ".join(f"{s}: units {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
@@ -393,22 +393,23 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        monitor.step_start()
-        micro_batches, n_global_targets = feed.next_step()
-        with monitor.collectives():  # counts the first step's collectives
-            # PP: every micro-batch through every stage, forward and backward; the loss sum on the last stage only
-            loss_sum = pipeline(micro_batches, n_global_targets)
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # over the stages: the model's
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()  # PP: each rank updates its own units
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        monitor.step_end()
+        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+            micro_batches, n_global_targets = feed.next_step()
+            with monitor.collectives():  # counts the first step's collectives
+                # PP: every micro-batch through every stage, forward and backward; the loss sum on the last stage only
+                loss_sum = pipeline(micro_batches, n_global_targets)
+            grad_norm = clip_grad_norm_(
+                model.parameters(), args.max_grad_norm, pp_group
+            )  # over the stages: the model's
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()  # PP: each rank updates its own units
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
-            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+            monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):  # forward only, through the pipeline, with the training batch's shape
             result = evaluate(
                 accelerator, model, task, data.validation, args.batch_size, layout, predict=pipeline.predict

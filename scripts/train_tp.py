@@ -392,7 +392,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    monitor = RunMonitor(accelerator, args, "train_tp", progress["step"], layout.world_size, global_batch_size)
+    monitor = RunMonitor(accelerator, args, "train_tp", feed, layout.world_size, global_batch_size)
     tp_lines, megatron = tp_start_lines(model, plan, layout, args, task.tokens_per_sample or 1)
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
     monitor.start(task, model_line, n_params, data, [*tp_lines, costs], resume_path, layout)
@@ -402,24 +402,29 @@ def main():
     holds_loss = layout.holds_loss  # the ranks of a TP group hold the same loss sum: TP rank 0 counts it
     model.train()
     while step < last_step and not feed.preempted:
-        monitor.step_start()
-        micro_batches, n_global_targets = feed.next_step()
-        with monitor.collectives():  # counts the first step's collectives
-            # TP: every layer's f/g collectives run inside forward and backward
-            loss_sum = tp_forward_backward(
-                accelerator, model, task, micro_batches, n_global_targets, args.loss_parallel, counts_loss=holds_loss
-            )
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()  # TP: each rank updates its slice of every matrix
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        monitor.step_end()
+        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+            micro_batches, n_global_targets = feed.next_step()
+            with monitor.collectives():  # counts the first step's collectives
+                # TP: every layer's f/g collectives run inside forward and backward
+                loss_sum = tp_forward_backward(
+                    accelerator,
+                    model,
+                    task,
+                    micro_batches,
+                    n_global_targets,
+                    args.loss_parallel,
+                    counts_loss=holds_loss,
+                )
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()  # TP: each rank updates its slice of every matrix
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
-            monitor.train(step, loss, lr, grad_norm, epoch=feed.epoch)
+            monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):  # each sample counted once, by TP rank 0 (layout.holds_loss)
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)

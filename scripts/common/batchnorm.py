@@ -9,8 +9,9 @@ running statistics (the buffers that evaluation uses) drift apart:
                         sums of squares and counts are all-reduced over the data-parallel ranks,
                         with their backward (torch's SyncBatchNorm on GPUs; on CPUs, where torch
                         has no kernels for it, the all-reduce below)
-    average_running_stats(model, group)   the ranks' running statistics averaged (evaluation,
-                        checkpoint, export and model fusion then use one set of buffers)
+    average_running_stats(model, group)   the ranks' running statistics averaged: evaluation,
+                        checkpoints and the export (common/evaluation.py, common/checkpoint.py) do
+                        it under every strategy, and Local SGD's fusion: they all use one set
 
 Averaging the running statistics now or later gives the same result, because each is an
 exponential moving average (linear) of the batch statistics, and in training mode BatchNorm uses
@@ -43,13 +44,18 @@ def running_stats(model: nn.Module) -> list[torch.Tensor]:
 @torch.no_grad()
 def average_running_stats(model: nn.Module, group=None) -> None:
     """Collective over `group` (None: all ranks): every rank's running statistics become their
-    average, in one all-reduce. Nothing to do (no collective) for a model without them."""
+    average. Computed as rank 0's value plus the mean difference from it, so statistics that are
+    already equal everywhere (DDP's, one model loaded by every process) stay bit for bit what they
+    are. Nothing to do (no collective) for a model without running statistics."""
     buffers = running_stats(model)
     if not buffers or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([b.reshape(-1).float() for b in buffers])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
+    first = flat.clone()
+    dist.broadcast(first, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    difference = flat - first
+    dist.all_reduce(difference, group=group)
+    flat = first + difference / dist.get_world_size(group)
     for b, value in zip(buffers, flat.split([b.numel() for b in buffers])):
         b.copy_(value.view_as(b))
 

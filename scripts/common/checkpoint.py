@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .batchnorm import average_running_stats
 from .errors import NothingToDo, UsageError
 
 STATE_FILE = "trainer_state.json"
@@ -300,7 +301,10 @@ def save_checkpoint(
     the run's `facts` (check_resume_and_output) beside the tensors. `per_rank_state`: every rank
     writes its whole model and optimizer state to state/rank_<r> (Local SGD, whose replicas differ
     between fusions). `extra_state`: a strategy's own state, the same on every rank (DiLoCo's outer
-    optimizer), written by the main process to extra_state.pt; load_extra_state reads it back."""
+    optimizer), written by the main process to extra_state.pt; load_extra_state reads it back.
+    BatchNorm's running statistics are averaged over the data-parallel ranks first (common/batchnorm.py):
+    every rank saves, and a resume loads, one set."""
+    average_running_stats(model, feed.dp_group)
     state = {"step": step, **feed.position(), **facts}
     return write_checkpoint(
         accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last, per_rank_state, extra_state
@@ -438,7 +442,9 @@ def _load_small_file(path: Path, name: str, weights_only: bool):
 def export_model(accelerator, model, task, data_source: dict, model_dir, layout=None) -> None:
     """Write `model/` the task's way (Task.export). Collective: gathering a sharded model needs
     every rank; only the main process writes. Under pipeline parallelism each stage holds different layers: one rank per
-    stage gathers its stage's full tensors and sends them to the main process."""
+    stage gathers its stage's full tensors and sends them to the main process. BatchNorm's running
+    statistics are averaged over the data-parallel ranks first: the export is the model evaluated in the run."""
+    average_running_stats(model, layout.group("dp") if layout is not None else None)
     if layout is None or layout.pp == 1:
         full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:

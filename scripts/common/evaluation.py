@@ -12,6 +12,8 @@ from accelerate.utils import send_to_device, slice_tensors
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Subset
 
+from .batchnorm import average_running_stats
+
 
 @torch.no_grad()
 def evaluate(accelerator, model, task, validation, batch_size: int, layout=None, predict=None) -> dict:
@@ -24,7 +26,9 @@ def evaluate(accelerator, model, task, validation, batch_size: int, layout=None,
     before scoring. `predict(*inputs)` (default: the model) returns the outputs where they exist
     (a pipeline's last stage) and None elsewhere; one rank per data-parallel replica
     (`layout.holds_loss`) adds its sums, so each sample counts once, not once per TP rank
-    (docs/troubleshooting.md, "Evaluation counted once per TP rank")."""
+    (docs/troubleshooting.md, "Evaluation counted once per TP rank"). BatchNorm's running statistics are
+    first averaged over the data-parallel ranks: the evaluation is that of one model, the exported one."""
+    average_running_stats(model, layout.group("dp") if layout is not None else None)  # a collective; no-op without
     dp = layout.dp if layout is not None else accelerator.num_processes
     dp_rank = layout.dp_rank if layout is not None else accelerator.process_index
     adds_sums = layout is None or layout.holds_loss  # one rank per data-parallel replica

@@ -93,8 +93,10 @@ class RunMonitor:
     Without a terminal (a log file, a batch job) the bar redraws at most every 30 s instead of
     filling the log with carriage returns."""
 
-    def __init__(self, accelerator, args, name: str, start_step: int, world_size: int, global_batch_size: int):
-        self.accelerator, self.args, self.name, self.start_step = accelerator, args, name, start_step
+    def __init__(self, accelerator, args, name: str, feed, world_size: int, global_batch_size: int):
+        """`feed`: the run's StepFeed, which says where the run starts (its step) and stands (its epoch)."""
+        start_step = feed.step
+        self.accelerator, self.args, self.name, self.start_step, self.feed = accelerator, args, name, start_step, feed
         self.world_size, self.global_batch_size = world_size, global_batch_size
         self.metrics = MetricsWriter(args.output_dir, accelerator.is_main_process)
         config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
@@ -185,6 +187,14 @@ class RunMonitor:
     # would count queued work in the next step, or in the evaluation after it
     # (docs/troubleshooting.md, "Throughput timers on a GPU"). A stretch ends before anything
     # that is not training (a record, an evaluation, a checkpoint, the end), so those never count.
+    @contextmanager
+    def timed_step(self):
+        """One optimizer step of the loop, timed as training: what follows it (records, evaluations,
+        checkpoints) never counts as training time."""
+        self.step_start()
+        yield
+        self.step_end()
+
     def step_start(self) -> None:
         if self._stretch_start is None:
             synchronize(self.accelerator.device)
@@ -223,6 +233,7 @@ class RunMonitor:
             "grad_norm": grad_norm,
             "global_batch_size": self.global_batch_size,
             "world_size": self.world_size,
+            "epoch": self.feed.epoch,
             **layout,
             **resumed,
             **extra,
