@@ -74,12 +74,12 @@ def main():
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
     # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
     # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
-    # Accelerate: accumulate() skips DDP's all-reduce until the micro_batches's last micro-batch (our own windows)
+    # DDP: Accelerate's accumulate() skips the all-reduce until the last micro-batch of a step (our own windows)
     accumulation = GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False, adjust_scheduler=False)
     accelerator = make_accelerator(
         args,
         cpu=args.cpu or not torch.cuda.is_available(),
-        gradient_accumulation_plugin=accumulation,
+        gradient_accumulation_plugin=accumulation,  # DDP: one all-reduce per step
         step_scheduler_with_optimizer=False,
     )
     dp_size = accelerator.num_processes  # DDP: every process is a data-parallel replica, holding the whole model

@@ -68,7 +68,7 @@ from common.launch import launcher_sharding, make_accelerator, run_main
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.task import check_task_contract
-from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
+from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, unit_modules
 
 
 # ======================================== Local SGD and DiLoCo: the strategy
@@ -219,12 +219,16 @@ class ReplicaSync:
             for opt, opt_state in zip(self.outer, state["outer"]):
                 opt.load_state_dict(opt_state)
 
-    def report(self, steps: int) -> dict:
-        """What the summary records: the fusions and the bytes they moved (measured calls and buffers;
-        per rank by the ring formula)."""
+    def report(self, steps: int, args, ddp_mib: float) -> dict:
+        """What the summary records: the fusion settings, the fusions and the bytes they moved (measured
+        calls and buffers; per rank by the ring formula), and what DDP would have sent (`ddp_mib` a step)."""
         fused_mib = sum(self.fragment_mib[f] * n for f, n in enumerate(self.fusions))
         counted = self.counter.report().get("all_reduce", {"calls": 0, "mib": 0.0})
         return {
+            "sync_every": args.sync_every,
+            "outer_optimizer": args.outer_optimizer,
+            "fragments": args.fragments,
+            "outer_dtype": args.outer_dtype,
             "fusions": sum(self.fusions),
             "fusions_per_fragment": self.fusions,
             "fusion_allreduce_calls": counted["calls"],
@@ -232,7 +236,59 @@ class ReplicaSync:
             "fusion_mib_per_rank": round(fused_mib, 4),
             "peak_fusion_mib_per_rank": round(max(self.fragment_mib), 4),
             "allreduce_mib_per_step_per_rank": round(fused_mib / max(1, steps), 5),
+            "ddp_allreduce_mib_per_step_per_rank": round(ddp_mib, 4) if self.dp_size > 1 else 0.0,
         }
+
+
+def save_rank_model(accelerator, model, task, output_dir, data_source: dict) -> None:
+    """--save_rank_models: every rank writes its own replica, before the final fusion, for
+    merge_checkpoints.py (model fusion after training)."""
+    local_state = {k.removeprefix("module."): v.detach().cpu() for k, v in model.state_dict().items()}
+    rank_dir = Path(output_dir) / "rank_models" / f"rank_{accelerator.process_index}"
+    task.export(local_state, rank_dir, data_source)
+    accelerator.print(
+        f"each rank's model before the final fusion: {Path(output_dir) / 'rank_models'}/rank_<r> "
+        "(fuse them with scripts/merge_checkpoints.py)"
+    )
+
+
+def check_localsgd_flags(args) -> None:
+    """The fusion flags, before anything runs: each mistake is one line that names the flag."""
+    if args.sync_every < 1:
+        raise UsageError(
+            f"--sync_every must be at least 1 (got {args.sync_every}): the number of local steps between two fusions"
+        )
+    if args.fragments < 1 or args.sync_every % args.fragments:
+        raise UsageError(
+            f"--fragments {args.fragments} must divide --sync_every {args.sync_every}: fragment f is fused at the "
+            "steps = f*K/F (mod K); pick F among the divisors of K"
+        )
+    if args.outer_optimizer == "nesterov" and (args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1):
+        raise UsageError(
+            f"--outer_lr {args.outer_lr} / --outer_momentum {args.outer_momentum}: the outer learning rate must be "
+            "above 0 and the momentum in [0, 1) (DiLoCo uses 0.7 and 0.9)"
+        )
+    if args.outer_dtype == "bf16" and args.outer_optimizer == "average":
+        raise UsageError(
+            "--outer_dtype bf16 needs --outer_optimizer nesterov: average sends the parameters themselves, and bf16 "
+            "would round them to 3 digits; DiLoCo sends the small pseudo-gradient"
+        )
+
+
+def check_whole_replicas(sharded: str | None = None, distributed_type=DistributedType.NO) -> None:
+    """Local SGD averages whole replicas: a sharded strategy (an FSDP or DeepSpeed launch) has none. The
+    launcher's flags are checked before the Accelerator exists (on CPU Accelerate would silently drop an FSDP
+    config), and the Accelerator's distributed type after."""
+    if sharded:
+        raise UsageError(
+            f"Local SGD averages whole replicas and cannot run under {sharded} (a sharded strategy): launch without "
+            "an FSDP/DeepSpeed config, e.g. --config_file accelerate_configs/cpu_multi.yaml"
+        )
+    if distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        raise UsageError(
+            f"Local SGD averages whole replicas: it cannot run under {distributed_type}; launch without "
+            "an FSDP/DeepSpeed config"
+        )
 
 
 def parameter_fingerprint(params) -> torch.Tensor:
@@ -300,52 +356,22 @@ def main():
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/localsgd"
     check_core_args(args)
-    if args.sync_every < 1:
-        raise UsageError(
-            f"--sync_every must be at least 1 (got {args.sync_every}): the number of local steps between two fusions"
-        )
-    if args.fragments < 1 or args.sync_every % args.fragments:
-        raise UsageError(
-            f"--fragments {args.fragments} must divide --sync_every {args.sync_every}: fragment f is fused at the "
-            "steps = f*K/F (mod K); pick F among the divisors of K"
-        )
-    if args.outer_optimizer == "nesterov" and (args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1):
-        raise UsageError(
-            f"--outer_lr {args.outer_lr} / --outer_momentum {args.outer_momentum}: the outer learning rate must be "
-            "above 0 and the momentum in [0, 1) (DiLoCo uses 0.7 and 0.9)"
-        )
-    if args.outer_dtype == "bf16" and args.outer_optimizer == "average":
-        raise UsageError(
-            "--outer_dtype bf16 needs --outer_optimizer nesterov: average sends the parameters themselves, and bf16 "
-            "would round them to 3 digits; DiLoCo sends the small pseudo-gradient"
-        )
+    check_localsgd_flags(args)  # Local SGD: K, the fragments, the outer optimizer
     grad_accum = args.gradient_accumulation_steps
 
-    # ---------------------------------------- Accelerator
-    # Local SGD averages whole replicas: a sharded strategy has none. On CPU Accelerate would silently
-    # drop an FSDP config, so the launcher's flags are checked, not only the result.
-    sharded = launcher_sharding()
-    if sharded:
-        raise UsageError(
-            f"Local SGD averages whole replicas and cannot run under {sharded} (a sharded strategy): launch without "
-            "an FSDP/DeepSpeed config, e.g. --config_file accelerate_configs/cpu_multi.yaml"
-        )
+    # ---------------------------------------- Accelerator and layout
+    check_whole_replicas(launcher_sharding())  # Local SGD: no sharded launch (on CPU it would be dropped silently)
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
     # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
     # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
-    # Local SGD: each replica keeps its own buffers (BatchNorm statistics) until a fusion averages them, as its
-    # parameters: DDP's broadcast of rank 0's buffers at every forward is turned off.
+    # Local SGD: each replica keeps its own buffers (BatchNorm statistics) until a fusion averages them
     accelerator = make_accelerator(
         args,
         cpu=args.cpu or not torch.cuda.is_available(),
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],  # Local SGD: own buffers
         step_scheduler_with_optimizer=False,
-        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
     )
-    if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-        raise UsageError(
-            f"Local SGD averages whole replicas: it cannot run under {accelerator.distributed_type}; launch without "
-            "an FSDP/DeepSpeed config"
-        )
+    check_whole_replicas(distributed_type=accelerator.distributed_type)  # Local SGD: no sharded Accelerator
     dp_size = accelerator.num_processes  # Local SGD: every process is a replica, holding the whole model
     global_batch_size = args.batch_size * dp_size * grad_accum
 
@@ -358,7 +384,7 @@ def main():
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank: the replicas start equal
+    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     from common.model import language_model
@@ -368,9 +394,7 @@ def main():
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
     if args.compile:
-        compile_units(
-            task.units(model), accelerator
-        )  # each repeated unit, before DDP wraps the model: its all-reduce hooks stay outside
+        compile_units(task.units(model), accelerator)  # each unit, before DDP wraps the model
 
     # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)
@@ -436,55 +460,39 @@ def main():
             micro_batches, n_global_targets = feed.next_step()
             # Local SGD: forward and backward of each micro-batch; the gradients stay on this rank
             loss_sum = local_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # Local SGD: this replica's own norm
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            fused = replica_sync.after_step(step)  # Local SGD / DiLoCo: the fragments due at this step are fused
+            fused = replica_sync.after_step(step)  # Local SGD: fuse the fragments due at this step
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm, **replicas(accelerator, replica_sync, fused))
         if monitor.due(step, "eval") and step < args.max_steps:  # Local SGD: the last one scores the fused model
-            # between fusions each rank scores its share of the samples with its own replica
+            # Local SGD: between fusions each rank scores its share of the samples with its own replica
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
-        if monitor.due(step, "checkpoint") or feed.preempted:  # the replicas differ: every rank saves its own
+        if monitor.due(step, "checkpoint") or feed.preempted:  # Local SGD: every rank saves its own replica
             state = replica_sync.state_dict()  # DiLoCo: θ_last and the outer momentum, the same on every rank
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts, True, extra_state=state)
     feed.close()
 
     # ---------------------------------------- save
     if args.save_rank_models and step == args.max_steps:  # Local SGD: every rank writes its own, before the fusion
-        local_state = {k.removeprefix("module."): v.detach().cpu() for k, v in model.state_dict().items()}
-        rank_dir = Path(args.output_dir) / "rank_models" / f"rank_{accelerator.process_index}"
-        task.export(local_state, rank_dir, data_source(args))
-    if step == args.max_steps:  # every rank: the main process writes
-        replica_sync.finish(step)  # Local SGD / DiLoCo: the final fusion of every fragment not fused at this step
-        result = evaluate(accelerator, model, task, data.validation, args.eval_batch_size)
-        spread = max(replica_spread(accelerator, replica_sync.compared))
-        monitor.eval(step, result, fused_model=True, param_spread=spread)
-        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")  # the fused model
-    no_sync.__exit__(None, None, None)
-    costs = replicated_summary(accelerator, n_params, 0.0)  # no gradient all-reduce: parameters, once per fusion
-    monitor.summary(
-        step,
-        preempted=feed.preempted,
-        **costs,
-        sync_every=args.sync_every,
-        outer_optimizer=args.outer_optimizer,
-        fragments=args.fragments,
-        outer_dtype=args.outer_dtype,
-        **replica_sync.report(step - progress["step"]),
-        ddp_allreduce_mib_per_step_per_rank=round(ddp_mib, 4) if dp_size > 1 else 0.0,
-    )
-    if args.save_rank_models and step == args.max_steps:
-        accelerator.print(
-            f"each rank's model before the final fusion: {Path(args.output_dir) / 'rank_models'}/rank_<r> "
-            "(fuse them with scripts/merge_checkpoints.py)"
-        )
-    del model, optimizer, scheduler, train_loader, feed, replica_sync  # free DDP's wrapper while every peer is there
+        save_rank_model(accelerator, model, task, args.output_dir, data_source(args))  # Local SGD: for merging
+    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
+        replica_sync.finish(step)  # Local SGD: the final fusion of every fragment not fused at this step
+        result = evaluate(accelerator, model, task, data.validation, args.eval_batch_size)  # Local SGD: fused
+        spread = max(replica_spread(accelerator, replica_sync.compared))  # Local SGD: 0, one model
+        monitor.eval(step, result, fused_model=True, param_spread=spread)  # Local SGD: the fused model's
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")
+    no_sync.__exit__(None, None, None)  # Local SGD: the end of DDP's no_sync
+    costs = replicated_summary(accelerator, n_params, 0.0)  # Local SGD: no gradient all-reduce, the fusions instead
+    fusions = replica_sync.report(step - progress["step"], args, ddp_mib)  # Local SGD: the fusions and their bytes
+    monitor.summary(step, preempted=feed.preempted, **costs, **fusions)
+    del model, optimizer, scheduler, train_loader, feed, replica_sync  # Local SGD: free DDP's wrapper, every peer there
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
