@@ -122,6 +122,30 @@ def split_pipeline(
     return stage_modules(model, [(ranges[s], s == 0, s == n_stages - 1) for s in mine])
 
 
+def check_pp_size(pp_size: int, world: int) -> None:
+    """One strategy per file: every process is one pipeline rank; dp x pp is train_hybrid.py's."""
+    if pp_size not in (-1, world):
+        raise UsageError(
+            f"--pp_size {pp_size} on {world} processes: train_pp.py is pure pipeline parallel, every process "
+            "one pipeline rank (drop --pp_size); pipelines trained data parallel (dp x pp) are train_hybrid.py's: "
+            f"--pp_size N --dp_shard M, N x M = {world}"
+        )
+
+
+def pipeline_start_lines(layout: Layout, n_units: int, args) -> list[str]:
+    """The stages and the units each holds, the schedule and its micro-batches, the bubble in theory."""
+    n_stages = layout.pp * args.stages_per_rank
+    ranges = stage_layers(n_units, n_stages, args.split_points)
+    stage_list = ", ".join(f"{s}: units {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
+    bubble = bubble_theory(layout.pp, args.n_microbatches, args.stages_per_rank)
+    pipeline_line = (
+        f"pipeline: {n_stages} stages ({stage_list}), schedule {args.schedule}, "
+        f"{args.n_microbatches} micro-batches of {args.batch_size // args.n_microbatches}"
+    )
+    bubble_line = f"bubble in theory: (p-1)/(v*m+p-1) = {bubble:.3f}; measured in the summary"
+    return [pipeline_line, bubble_line]
+
+
 class TimedStage(PipelineStage):
     """A PipelineStage that measures what the schedule costs this rank: the time it computes
     (forward, backward, weight gradients), the most micro-batches whose activations it holds at
@@ -297,32 +321,29 @@ class PipelineStep:
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__)
-    g = add_pipeline_args(parser)
-    g.add_argument(
-        "--pp_size",
-        type=int,
-        default=-1,
-        help="pipeline ranks: every process (-1, or the number of processes); pipelines trained data parallel "
-        "are train_hybrid.py's (--pp_size N --dp_shard M)",
-    )
+    g = add_pipeline_args(parser)  # PP: the "pipeline parallel" flag group (common/pipeline.py), and one more
+    pp_help = "pipeline ranks: every process (-1, or the number of processes); pipelines trained data parallel "
+    g.add_argument("--pp_size", type=int, default=-1, help=pp_help + "are train_hybrid.py's (--pp_size N --dp_shard M)")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/pp"
     check_core_args(args)
-    parse_pipeline_flags(args)
+    grad_accum = args.gradient_accumulation_steps
+    parse_pipeline_flags(args)  # PP: the schedule, --stages_per_rank, --n_microbatches, --split_points
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
-    # the scheduler counts optimizer steps, whatever the layout.
-    accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
-    world = accelerator.num_processes
-    if args.pp_size not in (-1, world):  # one strategy per file
-        raise UsageError(
-            f"--pp_size {args.pp_size} on {world} processes: train_pp.py is pure pipeline parallel, every process "
-            "one pipeline rank (drop --pp_size); pipelines trained data parallel (dp x pp) are train_hybrid.py's: "
-            f"--pp_size N --dp_shard M, N x M = {world}"
-        )
-    layout = Layout.from_degrees(world, pp=-1, dp_shard=1)  # PP: every process is a stage
-    global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps  # one pipeline: dp 1
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
+    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    accelerator = make_accelerator(
+        args,
+        cpu=args.cpu or not torch.cuda.is_available(),
+        sharded=True,  # refuses a launch that also asks Accelerate to shard
+        step_scheduler_with_optimizer=False,
+    )
+    check_pp_size(args.pp_size, accelerator.num_processes)  # PP: pure pipeline parallel (dp x pp: train_hybrid.py)
+    layout = Layout.from_degrees(accelerator.num_processes, pp=-1, dp_shard=1)  # PP: every process is a stage
+    dp_size = layout.dp  # PP: 1, one pipeline: every stage reads the same batch
+    global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
@@ -333,16 +354,16 @@ def main():
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank before it is cut: init independent of layout
+    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     from common.model import language_model
 
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
-    # the repeated units: the pipeline cuts between them; how a stage runs: stage_modules (above)
-    units = task.units(model)
-    n_units, n_params, model_line = len(units), count_parameters(model), task.describe(model)
+    units = task.units(model)  # the repeated units: the pipeline cuts between them (stage_modules, above), --compile
+    n_params, model_line = count_parameters(model), task.describe(model)
+    n_units = len(units)  # PP: counted before the split, which drops the other stages' units
     check_pipeline_layout(layout, n_units, args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
@@ -357,37 +378,27 @@ def main():
     # ---------------------------------------- optimizer (after the split: this rank's units)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    # Accelerate: optimizer/scheduler wrappers (not the model: the pipeline owns it);
-    # the loader is not sharded: every stage sees the same batches (dp 1)
+    # Accelerate: optimizer/scheduler wrappers (not the model: PP owns it); the loader sharded over the dp ranks
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
-    # check_task_contract (train_ddp.py, train_fsdp.py) is skipped: it runs the whole model on one rank,
-    # and through a pipeline no rank holds it
+    # PP: no check_task_contract (train_fsdp.py's): it runs the whole model on one rank, and here no rank holds it
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
         train_loader,
         train_sampler,
         global_batch_size,
-        args.gradient_accumulation_steps,
+        grad_accum,
         progress,
         task.count_targets,
         dp_group=layout.group("dp"),
     )
     monitor = RunMonitor(accelerator, args, "train_pp", feed, layout.world_size, global_batch_size)
-    n_stages = layout.pp * args.stages_per_rank
-    ranges = stage_layers(n_units, n_stages, args.split_points)
-    stage_list = ", ".join(f"{s}: units {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
-    bubble = bubble_theory(layout.pp, args.n_microbatches, args.stages_per_rank)
-    pipeline_line = (
-        f"pipeline: {n_stages} stages ({stage_list}), schedule {args.schedule}, "
-        f"{args.n_microbatches} micro-batches of {args.batch_size // args.n_microbatches}"
-    )
-    bubble_line = f"bubble in theory: (p-1)/(v*m+p-1) = {bubble:.3f}; measured in the summary"
+    pp_lines = pipeline_start_lines(layout, n_units, args)  # PP: the stages, the schedule, the bubble in theory
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
-    monitor.start(task, model_line, n_params, data, [pipeline_line, bubble_line, costs], resume_path, layout)
-    pp_group = layout.group("pp")
+    monitor.start(task, model_line, n_params, data, [*pp_lines, costs], resume_path, layout)
+    pp_group = layout.group("pp")  # PP: the gradient norm sums over the stages
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
@@ -395,12 +406,9 @@ def main():
     while step < last_step and not feed.preempted:
         with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
             micro_batches, n_global_targets = feed.next_step()
-            with monitor.collectives():  # counts the first step's collectives
-                # PP: every micro-batch through every stage, forward and backward; the loss sum on the last stage only
-                loss_sum = pipeline(micro_batches, n_global_targets)
-            grad_norm = clip_grad_norm_(
-                model.parameters(), args.max_grad_norm, pp_group
-            )  # over the stages: the model's
+            with monitor.collectives():  # PP: each micro-batch through every stage, forward and backward (counted once)
+                loss_sum = pipeline(micro_batches, n_global_targets)  # PP: the loss sum on the last stage only
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # PP: over the stages
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # PP: each rank updates its own units
             scheduler.step()
@@ -410,8 +418,8 @@ def main():
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm)
-        if monitor.due(step, "eval"):  # forward only, through the pipeline, with the training batch's shape
-            result = evaluate(
+        if monitor.due(step, "eval"):
+            result = evaluate(  # PP: forward only, through the pipeline, with the training batch's shape
                 accelerator, model, task, data.validation, args.batch_size, layout, predict=pipeline.predict
             )
             monitor.eval(step, result)
@@ -420,12 +428,12 @@ def main():
     feed.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank: one rank per stage sends its units to the main process
+    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
-    monitor.summary(step, preempted=feed.preempted, **costs, **pipeline.summary(args))
+    monitor.summary(step, preempted=feed.preempted, **costs, **pipeline.summary(args))  # PP: the measured bubble
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
+    accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
 
 
 if __name__ == "__main__":

@@ -238,6 +238,18 @@ def tp_forward_backward(
     return step_loss_sum if counts_loss else torch.zeros_like(step_loss_sum)
 
 
+def check_tp_layout(layout: Layout) -> None:
+    """train_tp.py is TP only: a --tp_size that leaves data-parallel groups beside TP is train_hybrid.py's."""
+    if layout.dp > 1:
+        n = layout.world_size
+        raise UsageError(
+            f"--tp_size {layout.tp} on {n} processes leaves {layout.dp} data-parallel groups, but train_tp.py is "
+            f"tensor parallel only: drop --tp_size (TP over all {n} processes), or train data parallel beside TP "
+            f"with train_hybrid.py --dp_shard {layout.dp} --tp_size {layout.tp}"
+            + (" (no TP split at all: train_fsdp.py)" if layout.tp == 1 else "")
+        )
+
+
 def check_tp_flags(layout: Layout, task, sequence_parallel: bool, loss_parallel: bool) -> None:
     """--sequence_parallel / --loss_parallel need a TP group; sequence parallel also needs samples that
     are sequences (Task.tokens_per_sample), and every rank an equal slice of them (docs/troubleshooting.md,
@@ -318,24 +330,23 @@ def main():
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/tp"
     check_core_args(args)
+    grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
-    # On a machine without CUDA, make_accelerator passes Accelerator(cpu=True): without it, the N processes
-    # of a torchrun-style launch would each train alone (docs/troubleshooting.md).
-    # The scheduler counts optimizer steps, whatever the layout.
-    accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
-    n = accelerator.num_processes
-    layout = Layout.from_degrees(n, tp=args.tp_size, dp_shard=1 if args.tp_size == -1 else -1)  # TP: all ranks
-    if layout.dp > 1:
-        raise UsageError(
-            f"--tp_size {layout.tp} on {n} processes leaves {layout.dp} data-parallel groups, but train_tp.py is "
-            f"tensor parallel only: drop --tp_size (TP over all {n} processes), or train data parallel beside TP "
-            f"with train_hybrid.py --dp_shard {layout.dp} --tp_size {layout.tp}"
-            + (" (no TP split at all: train_fsdp.py)" if layout.tp == 1 else "")
-        )
-    dp_size = layout.dp  # 1: every rank of the TP group reads the same batch
-    global_batch_size = args.batch_size * dp_size * args.gradient_accumulation_steps
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
+    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    accelerator = make_accelerator(
+        args,
+        cpu=args.cpu or not torch.cuda.is_available(),
+        sharded=True,  # refuses a launch that also asks Accelerate to shard
+        step_scheduler_with_optimizer=False,
+    )
+    dp_shard = 1 if args.tp_size == -1 else -1  # TP: a smaller --tp_size leaves dp groups (refused below)
+    layout = Layout.from_degrees(accelerator.num_processes, tp=args.tp_size, dp_shard=dp_shard)  # TP: every rank
+    check_tp_layout(layout)  # TP: TP only; data parallel beside TP is train_hybrid.py's
+    dp_size = layout.dp  # TP: 1, every rank of the TP group reads the same batch
+    global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
@@ -346,7 +357,7 @@ def main():
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank, then split: init independent of the layout
+    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
     # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     from common.model import language_model
@@ -355,11 +366,11 @@ def main():
     model = model.to(accelerator.device)
     units = task.units(model)  # the repeated units: --compile
     n_params, model_line = count_parameters(model), task.describe(model)
-    # the TP plan, {module name: style} (above); one rank has nothing to split
+    # TP: the plan, {module name: style} (above); one rank has nothing to split
     plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
-    if plan:
+    if plan:  # TP: every key names a module of the model, every flag has a style to act on
         check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model, flags
-    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
+    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)  # TP: the flags fit the layout, data
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
 
@@ -371,51 +382,43 @@ def main():
     if args.compile:
         compile_units(units, accelerator)  # after the TP split
 
-    # ---------------------------------------- optimizer (after splitting: it sees the shards)
+    # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    # Accelerate: optimizer/scheduler wrappers (not the model: TP owns it);
-    # the loader is sharded over the data-parallel ranks only: none here, the TP group reads one batch
+    # Accelerate: optimizer/scheduler wrappers (not the model: TP owns it); the loader sharded over the dp ranks
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     lp = loss_parallel() if args.loss_parallel else None  # TP: the loss on vocabulary shards
-    check_task_contract(task, model, data.validation, accelerator.device, lp)  # a mean would train silently wrong
+    check_task_contract(task, model, data.validation, accelerator.device, lp)  # TP: with the loss on vocab shards
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
         train_loader,
         train_sampler,
         global_batch_size,
-        args.gradient_accumulation_steps,
+        grad_accum,
         progress,
         task.count_targets,
         dp_group=layout.group("dp"),
     )
     monitor = RunMonitor(accelerator, args, "train_tp", feed, layout.world_size, global_batch_size)
-    tp_lines, megatron = tp_start_lines(model, plan, layout, args, task.tokens_per_sample or 1)
+    tp_lines, megatron = tp_start_lines(model, plan, layout, args, task.tokens_per_sample or 1)  # TP: what it splits
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
     monitor.start(task, model_line, n_params, data, [*tp_lines, costs], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
-    holds_loss = layout.holds_loss  # the ranks of a TP group hold the same loss sum: TP rank 0 counts it
+    holds_loss = layout.holds_loss  # TP: the ranks of a TP group hold the same loss sum: TP rank 0 counts it
     model.train()
     while step < last_step and not feed.preempted:
         with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
             micro_batches, n_global_targets = feed.next_step()
-            with monitor.collectives():  # counts the first step's collectives
-                # TP: every layer's f/g collectives run inside forward and backward
-                loss_sum = tp_forward_backward(
-                    accelerator,
-                    model,
-                    task,
-                    micro_batches,
-                    n_global_targets,
-                    args.loss_parallel,
-                    counts_loss=holds_loss,
+            with monitor.collectives():  # TP: every layer's f/g collectives, inside forward and backward (counted once)
+                loss_sum = tp_forward_backward(  # TP: the whole TP group runs the same micro-batches
+                    accelerator, model, task, micro_batches, n_global_targets, args.loss_parallel, dp_size, holds_loss
                 )
-            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # over the shards: the whole model's
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # TP: each rank updates its slice of every matrix
             scheduler.step()
@@ -425,19 +428,19 @@ def main():
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm)
-        if monitor.due(step, "eval"):  # each sample counted once, by TP rank 0 (layout.holds_loss)
+        if monitor.due(step, "eval"):  # TP: each sample counted once, by TP rank 0 (layout.holds_loss)
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
     feed.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank: gathers the shards
+    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
-    monitor.summary(step, preempted=feed.preempted, **costs, **megatron)
+    monitor.summary(step, preempted=feed.preempted, **costs, **megatron)  # TP: with Megatron's count
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
+    accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
 
 
 if __name__ == "__main__":
