@@ -55,6 +55,16 @@ from common.training import StepFeed, clip_grad_norm_, compile_units, make_optim
 from train_fsdp import apply_fsdp
 
 
+# ======================================== MODEL: what the CP ring carries (docs/your-model.md)
+def kv_width_and_layers(task) -> tuple[int, int]:
+    """The K/V width the ring carries (grouped KV heads travel repeated) and the layers: the ring's bytes."""
+    c = getattr(task, "hf_config", None)  # a 🤗 model's config; else the built-in GPT's
+    if c:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return c.num_attention_heads * head_dim, c.num_hidden_layers
+    return task.cfg.n_embd, task.cfg.n_layer
+
+
 # ======================================== CP: the strategy
 def head_tail_chunks(cp: int) -> list[list[int]]:
     """Which chunks of a sequence cut into 2 x cp each rank holds: rank r holds r and 2cp-1-r."""
@@ -259,34 +269,80 @@ def torch_context_parallel(layout: Layout, buffers: list, seq_dims: list):
     return context_parallel(layout.sub("cp"), buffers=buffers, buffer_seq_dims=seq_dims)
 
 
-def cp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, layout: Layout, impl: str):
+def cp_loss(task, layout: Layout, impl: str, device):
+    """The loss of this rank's tokens of a micro-batch, `with loss(model, micro_batch) as loss_sum:`, a context
+    its backward runs in (PyTorch's context_parallel must see both). Chosen once, for cp_forward_backward:
+    without CP the whole sequence; under the ring this rank's chunks (r and 2cp-1-r) at their real positions;
+    under --cp_impl torch the whole sequence, which context_parallel shards in place."""
+    if layout.cp == 1:
+
+        @contextmanager
+        def whole_sequence_loss(model, mb):
+            yield task.loss_of(model, mb)[0]
+
+        return whole_sequence_loss
+    if impl == "torch":
+
+        @contextmanager
+        def torch_cp_loss(model, mb):
+            ids, targets = task.inputs(mb)[0], task.next_token_targets(mb)
+            positions = torch.arange(ids.shape[1], device=ids.device)
+            with torch_context_parallel(layout, [ids, targets, positions], [1, 1, 0]):  # CP: shards in place
+                yield task.loss_at(model, ids, targets, positions)[0]
+
+        return torch_cp_loss
+    # CP: this rank's tokens, at the same positions of every sequence (chunks r and 2cp-1-r), and their targets
+    chunks = head_tail_chunks(layout.cp)[layout.cp_rank]
+    positions = rank_positions(task.tokens_per_sample, chunks, 2 * layout.cp, device)
+
+    @contextmanager
+    def ring_loss(model, mb):
+        ids, targets = task.inputs(mb)[0][:, positions], task.next_token_targets(mb)[:, positions]  # (batch, tokens)
+        yield task.loss_at(model, ids, targets, positions)[0]
+
+    return ring_loss
+
+
+def cp_forward_backward(
+    accelerator, model, micro_batches: list, n_global_targets, loss_of, grad_scale: int
+) -> torch.Tensor:
     """Forward and backward of this rank's slice of every sequence; returns its loss sum (its own tokens).
-    The loss is divided by the global batch's target count; FSDP averages gradients over dp x cp ranks,
-    so it is scaled back by their number: the gradient is that of (global loss sum / global targets)."""
+    `loss_of` (cp_loss's) gives the loss of this rank's tokens. The loss is divided by the global batch's
+    target count; FSDP averages gradients over the dp x cp ranks, so it is scaled back by their number
+    (`grad_scale`): the gradient is that of (global loss sum / global targets)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
-    scale = layout.dp * layout.cp
     for i, mb in enumerate(micro_batches):
-        if isinstance(model, FSDPModule):  # one reduce-scatter per step, after the last micro-batch
+        if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with accelerator.autocast():  # Accelerate: autocast
-            if layout.cp == 1:
-                loss_sum, _ = task.loss_of(model, mb)
-            elif impl == "torch":
-                ids, targets = task.inputs(mb)[0], task.next_token_targets(mb)
-                positions = torch.arange(ids.shape[1], device=ids.device)
-                with torch_context_parallel(layout, [ids, targets, positions], [1, 1, 0]):  # CP: shards in place
-                    loss_sum, _ = task.loss_at(model, ids, targets, positions)
-                    accelerator.backward(loss_sum * scale / n_global_targets)
-            else:  # CP: this rank's tokens (chunks r and 2cp-1-r), their targets and real positions
-                ids = task.inputs(mb)[0]  # (batch, tokens)
-                chunks = head_tail_chunks(layout.cp)[layout.cp_rank]
-                positions = rank_positions(ids.shape[1], chunks, 2 * layout.cp, ids.device)
-                ids, targets = ids[:, positions], task.next_token_targets(mb)[:, positions]
-                loss_sum, _ = task.loss_at(model, ids, targets, positions)
-            if impl != "torch" or layout.cp == 1:
-                accelerator.backward(loss_sum * scale / n_global_targets)  # Accelerate: backward
+            with loss_of(model, mb) as loss_sum:  # CP: the loss of this rank's tokens
+                accelerator.backward(loss_sum * grad_scale / n_global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
+
+
+def cp_start_line(layout: Layout, args, seq_len: int, kv_shape) -> tuple[str, dict | None]:
+    """What the run's first lines say of CP, and the ring's traffic per rank and optimizer step (the formula;
+    None without CP). `kv_shape`: the K/V width and the layers (the MODEL section's kv_width_and_layers)."""
+    if layout.cp == 1:
+        return "context parallel over 1 rank: nothing to cut, so the ring attention is not installed", None
+    ring_formula = ring_bytes_per_step(layout, args.batch_size, seq_len, *kv_shape, args.gradient_accumulation_steps)
+    cp_line = (
+        f"context parallel: {layout.cp} ranks per ring ({args.cp_impl}) x {layout.dp} data-parallel; each rank "
+        f"holds {seq_len // layout.cp} of the {seq_len} tokens (chunks r and {2 * layout.cp - 1}-r of "
+        f"{2 * layout.cp}); ring traffic per rank and step: {ring_formula['forward'] / 2**20:.3f} MiB forward, "
+        f"{ring_formula['backward'] / 2**20:.3f} MiB backward; FSDP over dp x cp = {layout.dp * layout.cp} ranks"
+    )
+    return cp_line, ring_formula
+
+
+def ring_traffic(ring: Ring, ring_formula: dict, steps: int) -> dict:
+    """The summary's measured ring traffic of the run, per rank and step, beside the formula's."""
+    steps = max(steps, 1)
+    return {
+        "ring_mib_per_step_rank": {k: round(v / steps / 2**20, 4) for k, v in ring.sent_bytes.items()},
+        "ring_formula_mib_per_step_rank": {k: round(v / 2**20, 4) for k, v in ring_formula.items()},
+    }
 
 
 def check_cp_size(cp_size: int, n_processes: int) -> None:
@@ -347,15 +403,19 @@ def main():
     grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
-    # cpu=True where CUDA is missing: the N processes then join one gloo group. The scheduler counts optimizer steps.
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
+    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
     accelerator = make_accelerator(
-        args, cpu=args.cpu or not torch.cuda.is_available(), sharded=True, step_scheduler_with_optimizer=False
+        args,
+        cpu=args.cpu or not torch.cuda.is_available(),
+        sharded=True,  # refuses a launch that also asks Accelerate to shard
+        step_scheduler_with_optimizer=False,
     )
-    n = accelerator.num_processes
-    check_cp_size(args.cp_size, n)
-    layout = Layout.from_degrees(n, cp=args.cp_size, dp_shard=1 if args.cp_size == -1 else -1)  # CP: dp x cp
-    dp_size = layout.dp  # the CP ranks of one group read the same samples
+    check_cp_size(args.cp_size, accelerator.num_processes)  # CP: --cp_size divides the processes, or is -1
+    dp_shard = 1 if args.cp_size == -1 else -1  # CP: every process in one ring (-1) leaves no data parallel
+    layout = Layout.from_degrees(accelerator.num_processes, cp=args.cp_size, dp_shard=dp_shard)  # CP: dp x cp
+    dp_size = layout.dp  # CP: the CP ranks of one group read the same samples
     global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
@@ -368,25 +428,17 @@ def main():
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
     set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
-    # the built-in GPT, or a 🤗 transformers causal LM, and its Task: the loss of a micro-batch as
-    # (loss_sum, n_targets), and for CP the attention it calls (Task.set_attention) and a forward at given
-    # positions (Task.forward_at); a model without them is refused with one line
+    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
+    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    # CP: and the attention it calls (Task.set_attention) and a forward at given positions (Task.forward_at)
     from common.model import language_model
 
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     units = task.units(model)  # the repeated units: one FSDP unit each, --compile
     n_params, model_line = count_parameters(model), task.describe(model)
-    check_cp(layout, model, task, args, accelerator.device.type)  # CP: the model's attention is replaceable
-    if layout.cp > 1:
-        # the K/V width the ring carries (grouped KV heads travel repeated) and the layers: the ring's bytes
-        c = getattr(task, "hf_config", None)  # a 🤗 model's config; else the built-in GPT's
-        width = (
-            c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-            if c
-            else task.cfg.n_embd
-        )
-        depth = c.num_hidden_layers if c else task.cfg.n_layer
+    check_cp(layout, model, task, args, accelerator.device.type)  # CP: a model without them is refused, one line
+    kv_shape = kv_width_and_layers(task) if layout.cp > 1 else None  # CP: what the ring carries (above)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
 
@@ -398,16 +450,18 @@ def main():
         compile_units(units, accelerator)
     if layout.world_size > 1:  # FSDP over dp_shard x cp: gradients reduce over both (CP ranks hold the same weights)
         apply_fsdp(units, [model], layout.fsdp_mesh, accelerator.mixed_precision)
+    loss_of = cp_loss(task, layout, args.cp_impl, accelerator.device)  # the loss of this rank's tokens
+    grad_scale = layout.dp * layout.cp  # FSDP averages the gradients over dp x cp ranks: the step scales back
 
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    # Accelerate: optimizer/scheduler wrappers; the loader sharded over the dp coordinate only (CP groups share)
+    # Accelerate: optimizer/scheduler wrappers (not the model: FSDP owns it); the loader sharded over the dp ranks
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     whole = plain_attention(task, model, attention) if attention else None  # CP: whole sequences, causal SDPA
-    check_task_contract(task, model, data.validation, accelerator.device, whole)  # a mean would train silently wrong
+    check_task_contract(task, model, data.validation, accelerator.device, whole)  # CP: on whole sequences
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -421,17 +475,7 @@ def main():
     )
     predict = whole_sequence_predict(model, task, attention, layout)  # CP: evaluation reads whole sequences
     monitor = RunMonitor(accelerator, args, "train_cp", feed, layout.world_size, global_batch_size)
-    seq_len = task.tokens_per_sample
-    if layout.cp == 1:
-        cp_line = "context parallel over 1 rank: nothing to cut, so the ring attention is not installed"
-    else:
-        ring_formula = ring_bytes_per_step(layout, args.batch_size, seq_len, width, depth, grad_accum)
-        cp_line = (
-            f"context parallel: {layout.cp} ranks per ring ({args.cp_impl}) x {layout.dp} data-parallel; each rank "
-            f"holds {seq_len // layout.cp} of the {seq_len} tokens (chunks r and {2 * layout.cp - 1}-r of "
-            f"{2 * layout.cp}); ring traffic per rank and step: {ring_formula['forward'] / 2**20:.3f} MiB forward, "
-            f"{ring_formula['backward'] / 2**20:.3f} MiB backward; FSDP over dp x cp = {layout.dp * layout.cp} ranks"
-        )
+    cp_line, ring_formula = cp_start_line(layout, args, task.tokens_per_sample, kv_shape)  # CP: ring and traffic
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
     monitor.start(task, model_line, n_params, data, [cp_line, costs], resume_path, layout)
 
@@ -442,9 +486,7 @@ def main():
         with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
             micro_batches, n_global_targets = feed.next_step()
             with monitor.collectives():  # CP: K/V around the ring every layer; FSDP: all-gather, reduce-scatter
-                loss_sum = cp_forward_backward(
-                    accelerator, model, task, micro_batches, n_global_targets, layout, args.cp_impl
-                )
+                loss_sum = cp_forward_backward(accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale)
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # FSDP: each rank updates its own shard
@@ -452,7 +494,7 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             step += 1
 
-        if monitor.due(step, "train"):  # every rank holds the loss of its own tokens: the sum is the batch's
+        if monitor.due(step, "train"):  # CP: every rank holds the loss of its own tokens: the sum is the batch's
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
             monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
@@ -468,10 +510,7 @@ def main():
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
     if attention:  # CP: measured ring traffic of the run vs the formula
-        steps = max(step - progress["step"], 1)
-        sent = attention.ring.sent_bytes
-        costs["ring_mib_per_step_rank"] = {k: round(v / steps / 2**20, 4) for k, v in sent.items()}
-        costs["ring_formula_mib_per_step_rank"] = {k: round(v / 2**20, 4) for k, v in ring_formula.items()}
+        costs |= ring_traffic(attention.ring, ring_formula, step - progress["step"])
     monitor.summary(step, preempted=feed.preempted, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

@@ -141,6 +141,14 @@ def routing_record(model, ep_size: int, capacity_factor) -> dict:
     return {"ep": ep_size, "expert_load": expert_load(model), **dropped}
 
 
+def ep_start_line(n_experts: int, ep_size: int, dp_size: int) -> str:
+    """What the run's first lines say of EP: the experts each rank holds, and how FSDP cuts them again."""
+    if dp_size == 1:
+        return "EP over 1 rank: every expert is local, nothing is sent"
+    ep_line = f"EP over {ep_size} ranks: {n_experts // ep_size} of {n_experts} experts per rank"
+    return ep_line + (f", each cut again over {dp_size // ep_size} groups (FSDP)" if dp_size > ep_size else "")
+
+
 def check_expert_slices(expert_modules: list, slices: int) -> None:
     """FSDP cuts each rank's experts along dim 1 (n_embd of up_proj, the hidden width of down_proj)
     into dp / ep equal slices."""
@@ -184,24 +192,29 @@ def check_ep_flags(args, world_size: int) -> int:
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__, moe=True)  # the built-in GPT's experts: --n_experts ...
-    parser.set_defaults(n_experts=8)  # EP trains a mixture of experts
+    parser.set_defaults(n_experts=8)  # EP: trains a mixture of experts
     g = parser.add_argument_group("expert parallel")
     g.add_argument("--ep_size", type=int, help="ranks the experts are cut over (default: all processes)")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ep"
-    check_core_args(args)  # the MoE flags too: top_k <= n_experts ...
-    ep_size = check_ep_flags(args, get_int_from_env(WORLD_SIZE_VARS, 1))  # Accelerate: the processes launched
+    check_core_args(args)
+    ep_size = check_ep_flags(args, get_int_from_env(WORLD_SIZE_VARS, 1))  # EP: before any process group exists
     grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
+    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
     accelerator = make_accelerator(
-        args, cpu=args.cpu or not torch.cuda.is_available(), sharded=True, step_scheduler_with_optimizer=False
+        args,
+        cpu=args.cpu or not torch.cuda.is_available(),
+        sharded=True,  # refuses a launch that also asks Accelerate to shard
+        step_scheduler_with_optimizer=False,
     )
-    # EP: every rank is a data-parallel rank. The experts are cut over groups of ep consecutive ranks (the
-    # layout's dp_shard), then each rank's share again over the dp / ep groups (the layout's dp_replicate)
+    # EP: groups of ep consecutive ranks cut the experts between them (the layout's dp_shard);
+    # EP: the dp / ep groups cut each rank's share again (the layout's dp_replicate)
     layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=accelerator.num_processes // ep_size)
-    dp_size = layout.dp
+    dp_size = layout.dp  # EP: every rank is a data-parallel rank, holding E / ep experts (FSDP: 1/dp of the rest)
     global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
@@ -214,13 +227,15 @@ def main():
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
     set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
+    # MoE: the built-in GPT with MoE layers (--n_experts ...: the experts EP cuts), and its Task:
+    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     from common.model import language_model
 
-    model, task = language_model(args, data)  # the built-in GPT with MoE layers (--n_experts ...) and its Task
+    model, task = language_model(args, data)
     model = model.to(accelerator.device)
     units = task.units(model)  # the blocks: one FSDP unit each
-    expert_modules = [moe.experts for moe in moe_layers(model)]  # what EP cuts: each MoE layer's batched experts
-    check_expert_slices(expert_modules, dp_size // ep_size)
+    expert_modules = [moe.experts for moe in moe_layers(model)]  # EP: what it cuts, each MoE layer's batched experts
+    check_expert_slices(expert_modules, dp_size // ep_size)  # EP: FSDP can cut them again over the dp / ep groups
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
@@ -235,19 +250,24 @@ def main():
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # Accelerate: wrappers (not the model)
+    # Accelerate: optimizer/scheduler wrappers (not the model: FSDP owns it); the loader sharded over the dp ranks
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
-        accelerator, train_loader, train_sampler, global_batch_size, grad_accum, progress, task.count_targets
+        accelerator,
+        train_loader,
+        train_sampler,
+        global_batch_size,
+        grad_accum,
+        progress,
+        task.count_targets,
+        dp_group=layout.group("dp"),
     )
     monitor = RunMonitor(accelerator, args, "train_ep", feed, layout.world_size, global_batch_size)
-    n_experts = args.n_experts
-    ep_line = f"EP over {ep_size} ranks: {n_experts // ep_size} of {n_experts} experts per rank"
-    ep_line += f", each cut again over {dp_size // ep_size} groups (FSDP)" if dp_size > ep_size else ""
-    ep_line = ep_line if dp_size > 1 else "EP over 1 rank: every expert is local, nothing is sent"
+    ep_line = ep_start_line(args.n_experts, ep_size, dp_size)  # EP: the experts each rank holds
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
     monitor.start(task, model_line, n_params, data, [ep_line, costs], resume_path, layout)
 
@@ -261,14 +281,15 @@ def main():
                 loss_sum = ep_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()  # the expert bias has moved already (ep_forward_backward)
+            optimizer.step()  # FSDP: each rank updates its own shard
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
 
         if monitor.due(step, "train"):
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
-            monitor.train(step, loss, lr, grad_norm, **routing_record(model, ep_size, args.capacity_factor))
+            routing = routing_record(model, ep_size, args.capacity_factor)  # MoE: each layer's expert load
+            monitor.train(step, loss, lr, grad_norm, **routing)  # EP: the record adds ep and the routing
         if monitor.due(step, "eval"):
             monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
@@ -279,8 +300,9 @@ def main():
     if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
-    expert_bytes = local_bytes(p for experts in expert_modules for p in experts.parameters())
-    monitor.summary(step, preempted=feed.preempted, ep=ep_size, expert_param_bytes_per_rank=expert_bytes, **costs)
+    expert_bytes = local_bytes(p for experts in expert_modules for p in experts.parameters())  # EP: this rank's
+    costs = {"ep": ep_size, "expert_param_bytes_per_rank": expert_bytes, **costs}  # EP: in the summary
+    monitor.summary(step, preempted=feed.preempted, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
 

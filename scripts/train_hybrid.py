@@ -43,7 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 import torch
 from accelerate.utils import set_seed
 from torch.distributed.tensor.parallel import loss_parallel
-from train_cp import apply_context_parallel, check_cp, cp_forward_backward, plain_attention, whole_sequence_predict
+from train_cp import (
+    apply_context_parallel,
+    check_cp,
+    cp_forward_backward,
+    cp_loss,
+    plain_attention,
+    whole_sequence_predict,
+)
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import build_parser, check_core_args, data_source
@@ -179,16 +186,19 @@ def main():
         # the logits are a view of a DTensor's local tensor, which FSDP warns about (the loss only reads them)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         apply_fsdp(units, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision, layout.pp == 1)
+    dp_size, holds_loss = layout.dp, layout.holds_loss  # what the step functions below need, read once
     if layout.pp > 1:  # PP: the schedule runs every micro-batch through the stages, forward and backward
         pipeline = PipelineStep(
             accelerator, layout, task, stages, args.schedule, args.n_microbatches, args.loss_parallel
         )
         forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
     elif layout.cp > 1:  # CP: each rank's slice of every sequence (TP rank 0 counts the loss); evaluation whole
+        loss_of = cp_loss(task, layout, "ring", accelerator.device)  # the loss of this rank's tokens
+        grad_scale = layout.dp * layout.cp  # FSDP averages the gradients over dp x cp ranks: the step scales back
 
         def forward_backward(micro_batches, n_global_targets):
-            loss_sum = cp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, layout, "ring")
-            return loss_sum if layout.holds_loss else torch.zeros_like(loss_sum)
+            loss_sum = cp_forward_backward(accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale)
+            return loss_sum if holds_loss else torch.zeros_like(loss_sum)
 
         predict = whole_sequence_predict(model, task, attention, layout)
         eval_batch_size = args.eval_batch_size
@@ -202,8 +212,8 @@ def main():
                 micro_batches,
                 n_global_targets,
                 args.loss_parallel,
-                layout.dp,
-                layout.holds_loss,
+                dp_size,
+                holds_loss,
             )
 
         predict, eval_batch_size = None, args.eval_batch_size
