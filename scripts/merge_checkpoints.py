@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 
+from common.checkpoint import record_task
 from common.cli import HelpFormatter
 from common.errors import UsageError
-from common.exported import load_exported
+from common.exported import load_exported, task_spec_for
 from common.launch import run_main
 
 
@@ -73,6 +74,12 @@ def main():
     p.add_argument("--out", required=True, help="where the merged model directory is written")
     p.add_argument("--weights", type=float, nargs="+", help="one weight per model (default: uniform)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    p.add_argument(
+        "--task",
+        metavar="FILE.py:Class",
+        help="for models of your own: the Task that trained them, with build_model(config) (default: the one each "
+        "model's task.json records; docs/your-model.md)",
+    )
     args = p.parse_args()
 
     weights = args.weights or [1.0] * len(args.model_dirs)
@@ -89,7 +96,7 @@ def main():
         if not any((Path(d) / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
             raise UsageError(f"{d}: no model.safetensors here: {missing_model_hint(Path(d))}")
 
-    models = [load_exported(d) for d in args.model_dirs]  # (model, task, data_source) each
+    models = [load_exported(d, task_spec_for(d, args.task)) for d in args.model_dirs]  # (model, task, data) each
     first_model, first_task, first_data = models[0]
     for d, (model, task, _) in zip(args.model_dirs[1:], models[1:]):
         difference = model_difference(first_model, first_task, model, task)
@@ -110,6 +117,7 @@ def main():
                 if t.is_floating_point():
                     merged[name] += (w / total) * t.float()
     first_task.export(merged, out, first_data)  # the first model's format: its config, its data.json
+    record_task(first_task, out)  # a Task of your own: evaluate.py finds it again
     print(json.dumps({"merged": args.model_dirs, "weights": [w / total for w in weights], "out": str(out)}))
 
 

@@ -57,6 +57,7 @@ from common.checkpoint import (
     export_model,
     load_checkpoint,
     load_extra_state,
+    record_task,
     save_checkpoint,
 )
 from common.cli import build_parser, check_core_args, data_source
@@ -246,6 +247,7 @@ def save_rank_model(accelerator, model, task, output_dir, data_source: dict) -> 
     local_state = {k.removeprefix("module."): v.detach().cpu() for k, v in model.state_dict().items()}
     rank_dir = Path(output_dir) / "rank_models" / f"rank_{accelerator.process_index}"
     task.export(local_state, rank_dir, data_source)
+    record_task(task, rank_dir)  # a Task of your own: merge_checkpoints.py and evaluate.py find it
     accelerator.print(
         f"each rank's model before the final fusion: {Path(output_dir) / 'rank_models'}/rank_<r> "
         "(fuse them with scripts/merge_checkpoints.py)"

@@ -132,7 +132,7 @@ def test_sync_batchnorm_matches_one_process(copy, one_process, script, nproc):
 PLAIN = {  # what runs on 2 processes without --sync_batchnorm: the three copies, and DiLoCo
     "ddp": ("train_ddp.py", []),
     "fsdp": ("train_fsdp.py", []),
-    "localsgd": ("train_localsgd.py", ["--sync_every", "4"]),
+    "localsgd": ("train_localsgd.py", ["--sync_every", "4", "--save_rank_models"]),
     "diloco": ("train_localsgd.py", ["--sync_every", "4", "--outer_optimizer", "nesterov"]),
 }
 
@@ -141,7 +141,8 @@ PLAIN = {  # what runs on 2 processes without --sync_batchnorm: the three copies
 @pytest.mark.parametrize("name", sorted(PLAIN))
 def test_in_run_evaluation_is_that_of_the_exported_model(copy, one_process, name):
     """One set of running statistics: the last in-run evaluation (the fused model, for Local SGD and
-    DiLoCo) equals scripts/evaluate.py on OUTPUT_DIR/model, which records its Task (model/task.json)."""
+    DiLoCo) equals scripts/evaluate.py on OUTPUT_DIR/model, which records its Task (model/task.json);
+    for Local SGD also on the rank models merged by merge_checkpoints.py (their average: the fused model)."""
     script, extra = PLAIN[name]
     run, stdout = train(copy, script, 2, f"runs/plain_{name}", "--checkpoint_every", "5", *extra)
     assert "--sync_batchnorm normalises over all 2 ranks" in stdout and "differs from one process" in stdout, stdout
@@ -153,6 +154,16 @@ def test_in_run_evaluation_is_that_of_the_exported_model(copy, one_process, name
     assert exported["num_samples"] == 360
     assert exported["eval_loss"] == pytest.approx(in_run["eval_loss"], abs=1e-6), (exported, in_run)
     assert exported["accuracy"] == pytest.approx(in_run["accuracy"], abs=1e-9)
+    if name == "localsgd":  # the replicas as trained, merged after training: the fused model, found by task.json
+        merged = run / "merged"
+        ranks = [str(run / "rank_models" / f"rank_{r}") for r in range(2)]
+        result = run_copy(copy, [sys.executable, str(SCRIPTS / "merge_checkpoints.py"), *ranks, "--out", str(merged)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        result = run_copy(copy, [sys.executable, str(SCRIPTS / "evaluate.py"), "--model_dir", str(merged)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert json.loads(result.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
+            in_run["eval_loss"], abs=1e-6
+        )
     if name in ("ddp", "fsdp"):  # the layouts disagree without the flag (Local SGD's replicas differ anyway)
         gap = max_gap(losses(one_process["adamw"]), losses(run))
         print(f"{script} on 2 processes without --sync_batchnorm: max |loss - one process| {gap:.1e}")
