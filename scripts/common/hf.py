@@ -200,7 +200,7 @@ def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto"):
         config.tie_word_embeddings = False
         config.use_cache = False
         try:
-            model = AutoModelForCausalLM.from_config(config, **build)
+            model = _with_attention(lambda **b: AutoModelForCausalLM.from_config(config, **b), build)
         except (ValueError, TypeError) as e:
             raise UsageError(f"--model_config {spec}: {_first_line(e)}") from None
     else:
@@ -208,16 +208,30 @@ def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto"):
         config.use_cache = False
         try:
             with _no_progress_bars():
-                model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True, **build)
+                model = _with_attention(
+                    lambda **b: AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True, **b),
+                    build,
+                )
         except (OSError, ValueError, TypeError, KeyError) as e:  # no weights, custom code ...
             raise UsageError(f"--model_name_or_path {name}: could not load it ({_first_line(e)})") from None
         source = f"pretrained {name}"
         if getattr(args, "untie_embeddings", False):
             untie_embeddings(model)
-    _check_layout(model, f"--model_config {spec}" if spec else f"--model_name_or_path {name}")
+    units_path = _units_path(model, f"--model_config {spec}" if spec else f"--model_name_or_path {name}")
     check_vocab_fits(model, tokenizer)
     model.train()  # from_pretrained returns it in eval mode
-    return model, HFCausalLMTask(seq_len, data_task, model.config, source, tokenizer)
+    return model, HFCausalLMTask(seq_len, data_task, model.config, source, tokenizer, units_path)
+
+
+def _with_attention(build_model, build: dict) -> nn.Module:
+    """SDPA attention where the family supports it, else its own eager attention (gpt-oss: its attention
+    sinks are not SDPA's); both compute the same scores in fp32."""
+    try:
+        return build_model(**build)
+    except ValueError as e:
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        return build_model(**{**build, "attn_implementation": "eager"})
 
 
 def load_exported_hf(model_dir, data_task: str = "text"):
@@ -252,16 +266,27 @@ def _check_causal_lm(config, what: str) -> None:
         )
 
 
-def _check_layout(model: nn.Module, what: str) -> None:
-    """The strategies cut the model at `model.layers` (a ModuleList of decoder layers)."""
-    inner = getattr(model, "model", None)
-    if inner is None or not isinstance(getattr(inner, "layers", None), nn.ModuleList):
-        found = ", ".join(n for n, _ in (inner or model).named_children())
+def _units_path(model: nn.Module, what: str) -> str:
+    """Where the decoder layers are, the units every strategy cuts at: the base model's ModuleList, e.g.
+    "model.layers" (Llama, Qwen, Mistral, Gemma ...) or "gpt_neox.layers" (GPT-NeoX / Pythia). The family's
+    base_model_pp_plan names its parts in order (embedding, layers, final norm): its ModuleList is taken
+    first, else the base model's only ModuleList."""
+    prefix = model.base_model_prefix
+    inner = getattr(model, prefix, None) if prefix else None
+    if inner is None:
+        found = ", ".join(n for n, _ in model.named_children())
+        raise UsageError(f"{what}: {type(model).__name__} has no base model (it has: {found}); pass a causal LM")
+    names = list(getattr(model.config, "base_model_pp_plan", None) or {}) or [n for n, _ in inner.named_children()]
+    lists = [n for n in names if isinstance(getattr(inner, n, None), nn.ModuleList)]
+    if len(lists) != 1:
+        found = ", ".join(n for n, _ in inner.named_children())
         raise UsageError(
-            f"{what}: {type(model).__name__} keeps no decoder layers at model.layers (it has: {found}); "
-            f"use a Llama-style model ({', '.join(LLAMA_FAMILY)} ...)"
+            f"{what}: {type(model).__name__} keeps no single list of decoder layers in {prefix} (it has: {found}): "
+            "the strategies cut a model at its decoder layers; pass a decoder-only model with one layer stack"
         )
-    find_units(model, UNITS_PATH)
+    path = f"{prefix}.{lists[0]}"
+    find_units(model, path)
+    return path
 
 
 def is_tied(model: nn.Module) -> bool:
@@ -333,10 +358,11 @@ class HFCausalLMTask(CausalLMTask):
     CausalLMTask), and the export is a 🤗 folder (save_pretrained) with the tokenizer, if any."""
 
     name = "hf_causal_lm"
-    units_path = UNITS_PATH
 
-    def __init__(self, seq_len: int, data_task: str, hf_config, source: str, tokenizer=None):
+    def __init__(self, seq_len: int, data_task: str, hf_config, source: str, tokenizer=None, units_path=UNITS_PATH):
         super().__init__(seq_len, data_task)
+        self.units_path = units_path  # the decoder layers: "model.layers", "gpt_neox.layers" ...
+        self.attn_implementation = hf_config._attn_implementation  # "sdpa", or "eager" (_with_attention)
         self.hf_config = hf_config
         self.source = source  # "from config tiny.json", "pretrained Qwen/Qwen2-0.5B" (for describe)
         self.tokenizer = tokenizer
@@ -387,7 +413,7 @@ class HFCausalLMTask(CausalLMTask):
         of SDPA, through transformers' AttentionInterface (None: SDPA again). Grouped KV heads are repeated
         to the query heads first; the mask transformers would build is not needed (the function is causal)."""
         if attention is None:
-            model.config._attn_implementation = "sdpa"  # as load_hf_model builds it
+            model.config._attn_implementation = self.attn_implementation  # as load_hf_model built it
             return
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -416,7 +442,7 @@ class HFCausalLMTask(CausalLMTask):
 
         config = copy.deepcopy(self.hf_config)
         config.use_cache = True  # the exported model is for inference: generate() wants its KV cache
-        config._attn_implementation = "sdpa"  # not the ring a context-parallel run installed
+        config._attn_implementation = self.attn_implementation  # not the ring a context-parallel run installed
         with torch.device("meta"):  # no init: every weight comes from the state dict
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state_dict = {k: v.detach().to("cpu", torch.float32) for k, v in state_dict.items()}
