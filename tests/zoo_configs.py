@@ -28,6 +28,14 @@ FAMILIES = {
         "layer_types": ["sliding_attention", "full_attention"] * 2,
         "query_pre_attn_scalar": 16,
     },
+    # the same with a window as long as the rows: Gemma 3's own score scale (query_pre_attn_scalar) under CP
+    "gemma3_text_window16": {
+        **DENSE,
+        "head_dim": 8,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "query_pre_attn_scalar": 16,
+    },
     "phi3": {**DENSE},
     "gpt_neox": {
         "hidden_size": 64,
@@ -84,5 +92,6 @@ def write_configs(folder) -> dict:
     paths = {}
     for family, values in FAMILIES.items():
         paths[family] = Path(folder) / f"{family}.json"
-        paths[family].write_text(json.dumps({"model_type": family, **values}))
+        model_type = family.removesuffix("_window16")
+        paths[family].write_text(json.dumps({"model_type": model_type, **values}))
     return paths

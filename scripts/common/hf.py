@@ -410,8 +410,12 @@ class HFCausalLMTask(CausalLMTask):
     # --- context parallelism (train_cp.py): the attention is replaceable, the positions are given
     def set_attention(self, model: nn.Module, attention) -> None:
         """Every decoder layer calls `attention(q, k, v)` on (batch, heads, tokens, head_dim), causal, in place
-        of SDPA, through transformers' AttentionInterface (None: SDPA again). Grouped KV heads are repeated
-        to the query heads first; the mask transformers would build is not needed (the function is causal)."""
+        of SDPA, through transformers' AttentionInterface (None: the model's own again, after checking that the
+        ring computes this family's attention: check_ring_computes). Grouped KV heads are repeated to the query
+        heads first; a family's own score scale (Gemma 3's query_pre_attn_scalar, DeepSeek-V3's) is put on the
+        queries, since the ring scales by 1/sqrt(head_dim); the mask transformers would build is not needed
+        (the function is causal)."""
+        self.check_ring_computes(model)
         if attention is None:
             model.config._attn_implementation = self.attn_implementation  # as load_hf_model built it
             return
@@ -419,19 +423,52 @@ class HFCausalLMTask(CausalLMTask):
         from transformers.masking_utils import AttentionMaskInterface
 
         def replaced_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-            if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-6:
-                raise UsageError(
-                    f"context parallelism: {type(module).__name__} scales its scores by {scaling}, not "
-                    "1/sqrt(head_dim) as the ring does; train this model without --cp_size"
-                )
+            if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-9:
+                query = query * (scaling * query.shape[-1] ** 0.5)  # q·k · scaling = (q · c)·k / sqrt(head_dim)
             n_rep = query.shape[1] // key.shape[1]  # grouped-query attention: each KV head serves n_rep heads
             if n_rep > 1:
                 key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
-            return attention(query, key, value).transpose(1, 2).contiguous(), None  # transformers wants (B, T, H, D)
+            v_dim = value.shape[-1]
+            if v_dim < key.shape[-1]:  # DeepSeek-V3's latent attention: narrower values; the ring sends k, v stacked
+                value = nn.functional.pad(value, (0, key.shape[-1] - v_dim))  # zero columns out, cut off below
+            out = attention(query, key, value)[..., :v_dim]
+            return out.transpose(1, 2).contiguous(), None  # transformers wants (B, T, H, D)
 
         AttentionInterface.register(REPLACED_ATTENTION, replaced_attention)
         AttentionMaskInterface.register(REPLACED_ATTENTION, lambda *args, **kwargs: None)  # no mask tensor
         model.config._attn_implementation = REPLACED_ATTENTION
+
+    def check_ring_computes(self, model: nn.Module) -> None:
+        """The ring computes causal softmax attention over the whole sequence and nothing else: a family whose
+        attention differs (a sliding window shorter than the sequence, attention sinks, soft-capped scores,
+        attention dropout) is refused before training, one line, rather than trained on other scores."""
+        c, seq_len, family = self.hf_config, self.tokens_per_sample, self.hf_config.model_type
+        n_layers = c.num_hidden_layers
+        kinds = getattr(c, "layer_types", None) or ["sliding_attention" if _window(c) else "full_attention"] * n_layers
+        window = _window(c)
+        if "sliding_attention" in kinds and window and window < seq_len:
+            n = kinds.count("sliding_attention")
+            raise UsageError(
+                f"--cp_size: {family} attends within a sliding window of {window} tokens in {n} of its {n_layers} "
+                f"layers, shorter than the {seq_len}-token sequence, and the ring computes full causal attention "
+                "only: train it without --cp_size"
+            )
+        if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+            raise UsageError(
+                f"--cp_size: {family}'s attention has learned sinks (an extra logit in every softmax), which the "
+                "ring's softmax does not hold: train it without --cp_size"
+            )
+        for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
+            if getattr(c, key, None):
+                raise UsageError(
+                    f"--cp_size: {family} soft-caps its attention scores ({key} {getattr(c, key)}), which the ring "
+                    "does not: train it without --cp_size"
+                )
+        if getattr(c, "attention_dropout", 0.0):
+            raise UsageError(
+                f"--cp_size: {family} drops attention weights (attention_dropout {c.attention_dropout}), which the "
+                "ring does not: set attention_dropout 0 in the config, or train without --cp_size"
+            )
 
     def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
         """Some tokens of each sequence at their real positions: the rotary embedding reads position_ids."""
@@ -453,6 +490,14 @@ class HFCausalLMTask(CausalLMTask):
         if missing or unexpected:
             raise RuntimeError(f"the state dict does not fit the model: missing {missing}, unexpected {unexpected}")
         return model  # the rotary inv_freq buffers stay on meta: not persistent, so neither saved nor needed
+
+
+def _window(config) -> int | None:
+    """The sliding window the config's sliding-attention layers use (None: none). Qwen2 keeps a window in its
+    config that only applies with use_sliding_window."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 # ---------------------------------------------------------------- tensor parallel

@@ -1,0 +1,126 @@
+"""The 🤗 model zoo through every script (issue 30): ten families from tiny configs (tests/zoo_configs.py,
+random init, no download), each through train_ddp.py (1 and 2 processes), train_fsdp.py, train_tp.py,
+train_pp.py, train_cp.py and, for the MoE families, train_ep.py on 2 processes, and train_hybrid.py on 4.
+
+Every cell either matches the one-process train_ddp.py run within 1e-5 per step (fp32, global batch 16,
+4-digit addition: answers of unequal target counts), or is refused before training with one `error:`
+line (exit 2) naming the real limit. EXPECTED holds the refusals: a cell that starts being refused, or
+stops being refused, fails the test, and a run that ends 0 with other losses always does.
+
+One launch per script runs all ten families in turn (tests/zoo_driver.py): start-up, not training,
+is what a tiny run costs here. The table in docs/your-model.md is this test's output:
+
+    ZOO_TABLE=zoo.md python -m pytest tests/test_hf_zoo.py -n 0 -s
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from zoo_configs import FAMILIES, MOE_FAMILIES, write_configs
+
+from conftest import LAUNCH_TIMEOUT, SCRIPTS, TINY, job_env, launch_cmd, train_losses
+
+pytestmark = pytest.mark.xdist_group("hf_zoo")  # the launches share the reference: one worker runs them all
+
+STEPS = range(1, 5)
+FLAGS = ["--max_steps", "4", "--addition_digits", "4", "--eval_every", "0", "--collective_timeout", "120"]
+PP = ["--n_microbatches", "4", "--schedule", "1f1b"]
+# (column, script, processes, flags): each keeps the global batch of 16 samples
+COLUMNS = [
+    ("ddp 2", "train_ddp.py", 2, ["--batch_size", "8"]),
+    ("fsdp 2", "train_fsdp.py", 2, ["--batch_size", "8"]),
+    ("tp 2", "train_tp.py", 2, ["--batch_size", "16", "--sequence_parallel", "--loss_parallel"]),
+    ("pp 2", "train_pp.py", 2, ["--batch_size", "16", *PP]),
+    ("cp 2", "train_cp.py", 2, ["--batch_size", "16", "--cp_size", "2"]),
+    ("ep 2", "train_ep.py", 2, ["--batch_size", "8"]),
+    ("hybrid 4 (dp 2 x tp 2)", "train_hybrid.py", 4, ["--batch_size", "8", "--dp_shard", "2", "--tp_size", "2"]),
+]
+# (column, family) -> words the one `error:` line must hold: the real limit
+EXPECTED = {
+    ("cp 2", "mistral"): "sliding window of 8 tokens",
+    ("cp 2", "gemma3_text"): "sliding window of 8 tokens",
+    ("cp 2", "gpt_oss"): "sliding window of 8 tokens",
+}
+for family in set(FAMILIES) - set(MOE_FAMILIES):
+    EXPECTED[("ep 2", family)] = "no experts"
+
+
+def run_in_turn(cases: list, nproc: int, folder) -> list[dict]:
+    """Every case [script, args] in one launch of `nproc` processes -> [{"returncode", "stderr"}, ...]."""
+    spec = folder / "cases.json"
+    results = folder / "results.json"
+    spec.write_text(json.dumps({"cases": cases, "results": str(results)}))
+    cmd = launch_cmd("../tests/zoo_driver.py", [str(spec)], nproc=nproc)
+    done = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=4 * LAUNCH_TIMEOUT)
+    assert results.is_file(), f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return json.loads(results.read_text())
+
+
+def cases_for(script: str, flags: list, families, configs, folder, data_cache) -> list:
+    return [
+        [
+            str(SCRIPTS / script),
+            [*TINY, *FLAGS, *flags, "--model_config", str(configs[family]), "--data_cache_dir", data_cache]
+            + ["--output_dir", str(folder / family)],
+        ]
+        for family in families
+    ]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory, data_cache):
+    configs = write_configs(tmp_path_factory.mktemp("zoo_configs"))
+    ref_dir = tmp_path_factory.mktemp("zoo_ref")
+    ref = run_in_turn(
+        cases_for("train_ddp.py", ["--batch_size", "16"], FAMILIES, configs, ref_dir, data_cache), 1, ref_dir
+    )
+    for family, result in zip(FAMILIES, ref, strict=True):
+        assert result["returncode"] == 0, f"one-process train_ddp.py {family}:\n{result['stderr']}"
+    return {"configs": configs, "ref": {family: train_losses(ref_dir / family) for family in FAMILIES}}
+
+
+TABLE: dict = {}
+
+
+@pytest.mark.parametrize("column, script, nproc, flags", COLUMNS, ids=[c[0].split(" (")[0] for c in COLUMNS])
+def test_every_family_matches_or_is_refused(column, script, nproc, flags, zoo, data_cache, tmp_path):
+    results = run_in_turn(cases_for(script, flags, FAMILIES, zoo["configs"], tmp_path, data_cache), nproc, tmp_path)
+    wrong = []
+    for family, result in zip(FAMILIES, results, strict=True):
+        errors = [line for line in result["stderr"].splitlines() if line.startswith("error:")]
+        expected = EXPECTED.get((column, family))
+        if result["returncode"] == 0:
+            ref, got = zoo["ref"][family], train_losses(tmp_path / family)
+            diff = max(abs(ref[s] - got[s]) for s in STEPS) if all(s in got for s in STEPS) else float("inf")
+            TABLE[(column, family)] = f"{diff:.1e}"
+            if diff > 1e-5:
+                wrong.append(f"{family}: exit 0 with other losses (max |diff| {diff:.3g}): a silent wrong run")
+            elif expected:
+                wrong.append(f"{family}: trains and matches ({diff:.1e}), but EXPECTED says refused: update it")
+        else:
+            TABLE[(column, family)] = "refused"
+            if result["returncode"] != 2 or len(errors) != 1:
+                wrong.append(f"{family}: exit {result['returncode']}, not one error line:\n{result['stderr'][-1500:]}")
+            elif not expected or expected not in errors[0]:
+                wrong.append(f"{family}: refused ({errors[0]}), expected {expected or 'to match'}")
+    write_table()
+    assert not wrong, f"{script} on {nproc} processes:\n" + "\n".join(wrong)
+
+
+def write_table() -> None:
+    """The measured table (markdown) where ZOO_TABLE names a file: max |loss - one process| over 4 steps."""
+    path = os.environ.get("ZOO_TABLE")
+    if not path:
+        return
+    columns = [c[0] for c in COLUMNS]
+    lines = ["| family | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    for family in FAMILIES:
+        cells = [TABLE.get((c, family), "") for c in columns]
+        lines.append(f"| {family} | " + " | ".join(cells) + " |")
+    refusals = sorted({f"- {c}, {f}: {EXPECTED[(c, f)]}" for c, f in EXPECTED if TABLE.get((c, f)) == "refused"})
+    with open(path, "w") as out:
+        out.write("\n".join(lines + ["", *refusals]) + "\n")
+    print("\n".join(lines), file=sys.stderr)
