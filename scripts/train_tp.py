@@ -117,7 +117,7 @@ def model_tp_plan(model: nn.Module, task, layout: Layout, sequence_parallel: boo
     """This model's plan, after checking that the TP degree divides what the plan splits (heads, MLP
     width, vocabulary): a 🤗 Llama-family model's (its units at model.layers; common/hf.py), else the
     built-in GPT's (above). A model of your own: return its plan here (docs/your-model.md)."""
-    if task.units_path == "model.layers":  # a 🤗 transformers model (HFCausalLMTask)
+    if getattr(task, "hf_config", None) is not None:  # a 🤗 transformers model (HFCausalLMTask)
         from common.hf import check_tp_divides, llama_tp_plan
 
         check_tp_divides(model, layout.tp)
