@@ -24,11 +24,19 @@ Run it:
         --ep_size 2                                      # 2 groups of 2: experts cut in 2, each half cut in 2
     accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 scripts/train_ep.py
     python scripts/train_ep.py                           # one process: every expert local, nothing sent
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_ep.py \
+        --model_config mixtral                           # a 🤗 MoE family (small defaults): its own experts
 Lines marked `# EP:` are the strategy; `# FSDP:` the sharding of the rest; `# Accelerate:` the library's part.
-The experts and their router are the built-in GPT's (common/moe.py, flags --n_experts, --top_k ...).
+The experts and their router are the built-in GPT's (common/moe.py, flags --n_experts, --top_k ...), or a
+🤗 MoE family's (Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss ...: the experts its config's base_model_ep_plan
+names): its router chooses, our all-to-all carries the (token, expert) pairs, its experts forward computes
+on this rank's slice of the batched weights, and the outputs are weighted by its gates at home (docs/ep.md).
 """
 
 import sys
+from contextlib import contextmanager
+from fnmatch import fnmatch
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
@@ -49,19 +57,91 @@ from common.launch import WORLD_SIZE_VARS, make_accelerator, run_main
 from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
-from common.moe import dropped_share, expert_load, moe_layers, update_expert_bias
+from common.moe import GroupedExperts, dropped_share, expert_load, local, moe_layers, update_expert_bias
 from common.sharded_costs import local_bytes, sharded_start_line, sharded_summary
 from common.task import check_task_contract
 from common.training import StepFeed, clip_grad_norm_, make_optimizer, make_scheduler, shard_loader
 
+# ======================================== EP: the experts of the MODEL (the built-in GPT's, or a 🤗 family's)
+BUILT_IN_EXPERTS = 8  # --n_experts when a run names no model: the built-in GPT with 8 experts per MoE layer
+# the built-in GPT's MoE flags: a 🤗 model brings its own router and experts, so they would be ignored
+GPT_MOE_FLAGS = ("top_k", "moe_every", "expert_hidden", "shared_expert", "router_score", "load_balance")
+GPT_MOE_FLAGS += ("aux_loss_coef", "bias_update_rate", "capacity_factor", "dump_routing")
+
+
+def check_moe_flags(args, parser) -> bool:
+    """--n_experts defaults to BUILT_IN_EXPERTS for the built-in GPT, and is refused with a 🤗 model (its
+    config names its experts), as are the GPT's other MoE flags. Returns whether a 🤗 model is trained."""
+    hf_model = bool(getattr(args, "model_name_or_path", None) or getattr(args, "model_config", None))
+    if not hf_model:
+        args.n_experts = BUILT_IN_EXPERTS if args.n_experts is None else args.n_experts
+        return False
+    given = [f for f in GPT_MOE_FLAGS if getattr(args, f) != parser.get_default(f)]
+    given = ["n_experts"] * (args.n_experts is not None) + given
+    if given:
+        raise UsageError(
+            f"--{given[0]} shapes the built-in GPT's experts, but a 🤗 model (--model_name_or_path, --model_config) "
+            "brings its own router and experts (its config: num_experts_per_tok, ...): drop --" + given[0]
+        )
+    args.n_experts = 0  # the built-in GPT's: none (common/cli.py refuses experts for a 🤗 model)
+    return True
+
+
+def experts_of(model, task) -> list:
+    """The batched experts modules EP cuts: the built-in GPT's MoE layers' (GroupedExperts), or those the
+    🤗 family's config names for expert parallelism (base_model_ep_plan: 'layers.*.mlp.experts':
+    'ep_dispatch_experts'), each holding gate_up_proj (E, ...) and down_proj (E, ...), biases for gpt-oss."""
+    if getattr(task, "hf_config", None) is None:
+        return [moe.experts for moe in moe_layers(model)]
+    plan = getattr(model.config, "base_model_ep_plan", None) or {}
+    patterns = [name for name, style in plan.items() if style == "ep_dispatch_experts"]
+    return [m for name, m in model.base_model.named_modules() if any(fnmatch(name, p) for p in patterns)]
+
+
+def check_hf_experts(model, task, expert_modules: list, ep: int) -> None:
+    """What EP needs of a 🤗 model, one line each, before training: experts to cut (a dense family has
+    none), a count ep divides, and routing that a data-parallel split does not change."""
+    c = task.hf_config
+    if not expert_modules:
+        raise UsageError(
+            f"train_ep.py cuts the experts of MoE layers, and {c.model_type} has none (its config names no "
+            "ep_dispatch_experts in base_model_ep_plan): train this dense model with train_fsdp.py"
+        )
+    n_experts = {p.shape[0] for experts in expert_modules for p in experts.parameters()}
+    if len(n_experts) != 1 or next(iter(n_experts)) % ep:
+        raise UsageError(
+            f"--ep_size {ep}: {c.model_type}'s MoE layers hold {sorted(n_experts)} experts, which {ep} ranks cannot "
+            "hold equal shares of; use an --ep_size that divides the expert count"
+        )
+    aux_loss_coef = getattr(c, "router_aux_loss_coef", 0) or 0
+    if getattr(c, "output_router_logits", False) and aux_loss_coef:
+        raise UsageError(
+            f"{c.model_type}'s config asks for its auxiliary balance loss (output_router_logits, "
+            f"router_aux_loss_coef {aux_loss_coef}), a mean over each forward's tokens: it does not add up over "
+            "data-parallel ranks or micro-batches, so no layout computes the one-process loss; set "
+            "output_router_logits false (or router_aux_loss_coef 0) in the config"
+        )
+    if getattr(c, "router_jitter_noise", 0):
+        raise UsageError(
+            f"{c.model_type}'s router_jitter_noise {c.router_jitter_noise} scales every token by random noise, "
+            "which differs with the layout; set router_jitter_noise 0 in the config"
+        )
+
 
 # ======================================== EP: the strategy
 def apply_expert_parallel(expert_modules: list, ep_mesh) -> None:
-    """Each experts module (batched weights of shape (E, ...), called with tokens sorted by expert
-    and the tokens per expert) is cut over the ep ranks, and its call wrapped: dispatch before it,
-    combine after it (torchtitan's way: `distribute_module` with input and output functions)."""
+    """Each experts module (batched weights of shape (E, ...)) is cut over the ep ranks, and its call wrapped.
+    The built-in GPT's (called with tokens sorted by expert and the tokens per expert): dispatch before it,
+    combine after it (torchtitan's way: `distribute_module` with input and output functions). A 🤗 family's
+    (called with every token and its top-k experts and weights): hf_experts_forward in its place."""
     for experts in expert_modules:
-        distribute_module(experts, ep_mesh, partition_fn=shard_experts, input_fn=dispatch, output_fn=combine)
+        if isinstance(experts, GroupedExperts):
+            distribute_module(experts, ep_mesh, partition_fn=shard_experts, input_fn=dispatch, output_fn=combine)
+            continue
+        family_forward = experts.forward  # the family's own expert math (its activation, biases, kernels)
+        distribute_module(experts, ep_mesh, partition_fn=shard_experts)
+        experts.num_experts //= ep_mesh.size()  # EP: the family's forward loops over the experts this rank holds
+        experts.forward = partial(hf_experts_forward, experts, family_forward, ep_mesh)
 
 
 def shard_experts(name, module, ep_mesh) -> None:
@@ -99,6 +179,44 @@ def combine(experts, outputs, ep_mesh):
     order, send_splits, recv_splits = experts.ep_routes
     by_source = outputs[order.argsort()]  # back to (source rank, expert) order
     return all_to_all_single_autograd(by_source, send_splits, recv_splits, ep_mesh.get_group())  # EP: 4. combine
+
+
+def hf_experts_forward(experts, family_forward, ep_mesh, hidden_states, top_k_index, top_k_weights):
+    """A 🤗 family's experts under EP, called as its MoE block calls them: every token of this rank (N, d),
+    its top-k experts (N, k, global ids) and their weights (N, k), which its router chose (unchanged).
+
+        1-2. each (token, expert) pair to the rank holding that expert: dispatch, as the built-in GPT's
+        3.   the family's own forward on this rank's slice of the batched weights: the pairs arrive as top-1
+             choices of local experts 0 .. E/ep - 1 with weight 1 (its biases and activation stay its own)
+        4.   combine: the outputs back home, weighted there by top_k_weights and summed per token, so the
+             router's gradient is computed where its tokens are, as on one process"""
+    top_k = top_k_index.shape[-1]
+    flat_experts = top_k_index.reshape(-1)
+    order = flat_experts.argsort(stable=True)  # the pairs sorted by expert (token order inside)
+    pairs_per_expert = torch.bincount(flat_experts, minlength=experts.num_experts * ep_mesh.size())
+    received, received_per_expert = dispatch(experts, (hidden_states[order // top_k], pairs_per_expert), ep_mesh)
+    local_experts = torch.arange(len(received_per_expert), device=received.device)
+    local_ids = local_experts.repeat_interleave(received_per_expert)  # each received pair's local expert
+    if len(received) == 0:  # no pair for my experts: one zero row keeps the all-to-all's backward (and FSDP's) running
+        received, local_ids = received.sum(0, keepdim=True), local_ids.new_zeros(1)
+    unit_weights = torch.ones(len(received), 1, dtype=received.dtype, device=received.device)
+    with local_shards(experts):  # EP: the family's forward reads plain tensors, this rank's experts
+        expert_out = family_forward(received, local_ids[:, None], unit_weights)[: int(received_per_expert.sum())]
+    expert_out = combine(experts, expert_out, ep_mesh)  # EP: 4. back home, in the order the pairs were sent
+    weighted = expert_out * top_k_weights.reshape(-1)[order, None].to(expert_out.dtype)
+    return torch.zeros_like(hidden_states).index_add_(0, order // top_k, weighted.to(hidden_states.dtype))
+
+
+@contextmanager
+def local_shards(experts):
+    """The experts' parameters as this rank's local tensors (Shard(0) of the DTensors) while the family's
+    forward runs: it indexes them by expert; gradients flow back into the DTensors."""
+    sharded = dict(experts._parameters)
+    experts._parameters.update({name: local(param) for name, param in sharded.items()})
+    try:
+        yield
+    finally:
+        experts._parameters.update(sharded)
 
 
 def shard_expert_slices(expert_modules: list, replica_mesh, dp_size: int) -> None:
@@ -161,15 +279,16 @@ def check_expert_slices(expert_modules: list, slices: int) -> None:
         )
 
 
-def check_ep_flags(args, world_size: int) -> int:
-    """EP: the degrees, before any process group exists. Returns ep."""
+def check_ep_flags(args, world_size: int, hf_model: bool) -> int:
+    """EP: the degrees, before any process group exists. Returns ep. (A 🤗 model's experts are counted
+    once it is built: check_hf_experts.)"""
     ep = world_size if args.ep_size is None else args.ep_size
     if args.compile:
         raise UsageError(
             "--compile: train_ep.py does not compile its blocks yet (the all-to-all's splits depend on the routing, "
             "which breaks the graph at every MoE layer); drop --compile"
         )
-    if args.n_experts < 1:  # a dense model has no experts to cut: it would train as plain FSDP, silently
+    if args.n_experts < 1 and not hf_model:  # a dense model has no experts to cut: it would train as plain FSDP
         raise UsageError(
             f"--n_experts {args.n_experts}: expert parallelism cuts the experts of MoE layers, and this model has "
             "none; give it experts (--n_experts 8, the default), or train a dense model with train_fsdp.py"
@@ -181,7 +300,7 @@ def check_ep_flags(args, world_size: int) -> int:
             f"--ep_size {ep} does not divide the {world_size} data-parallel processes: the experts are cut over groups "
             f"of ep ranks that tile the processes; use an --ep_size that divides {world_size}"
         )
-    if args.n_experts % ep:
+    if not hf_model and args.n_experts % ep:
         raise UsageError(
             f"--n_experts {args.n_experts} is not divisible by --ep_size {ep}: every EP rank holds the same number of "
             f"experts; use a multiple of {ep} experts or another --ep_size"
@@ -192,13 +311,14 @@ def check_ep_flags(args, world_size: int) -> int:
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__, moe=True)  # the built-in GPT's experts: --n_experts ...
-    parser.set_defaults(n_experts=8)  # EP: trains a mixture of experts
+    parser.set_defaults(n_experts=None)  # EP: the built-in GPT's 8 experts, or a 🤗 model's own (check_moe_flags)
     g = parser.add_argument_group("expert parallel")
     g.add_argument("--ep_size", type=int, help="ranks the experts are cut over (default: all processes)")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ep"
+    hf_model = check_moe_flags(args, parser)  # EP: --n_experts is the built-in GPT's; a 🤗 model has its own
     check_core_args(args)
-    ep_size = check_ep_flags(args, get_int_from_env(WORLD_SIZE_VARS, 1))  # EP: before any process group exists
+    ep_size = check_ep_flags(args, get_int_from_env(WORLD_SIZE_VARS, 1), hf_model)  # EP: before any process group
     grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
@@ -227,14 +347,17 @@ def main():
 
     # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
     set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
-    # MoE: the built-in GPT with MoE layers (--n_experts ...: the experts EP cuts), and its Task:
+    # MoE: the built-in GPT with MoE layers (--n_experts ...: the experts EP cuts), or a 🤗 MoE model
+    # (--model_config, --model_name_or_path: Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss ...), and its Task:
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     from common.model import language_model
 
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     units = task.units(model)  # the blocks: one FSDP unit each
-    expert_modules = [moe.experts for moe in moe_layers(model)]  # EP: what it cuts, each MoE layer's batched experts
+    expert_modules = experts_of(model, task)  # EP: what it cuts, each MoE layer's batched experts
+    if hf_model:  # EP: a 🤗 family's experts, named by its config's base_model_ep_plan
+        check_hf_experts(model, task, expert_modules, ep_size)
     check_expert_slices(expert_modules, dp_size // ep_size)  # EP: FSDP can cut them again over the dp / ep groups
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
@@ -267,7 +390,7 @@ def main():
         dp_group=layout.group("dp"),
     )
     monitor = RunMonitor(accelerator, args, "train_ep", feed, layout.world_size, global_batch_size)
-    ep_line = ep_start_line(args.n_experts, ep_size, dp_size)  # EP: the experts each rank holds
+    ep_line = ep_start_line(expert_modules[0].down_proj.shape[0], ep_size, dp_size)  # EP: the experts per rank
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
     monitor.start(task, model_line, n_params, data, [ep_line, costs], resume_path, layout)
 
