@@ -78,23 +78,39 @@ from train_tp import apply_tensor_parallel, check_tp_flags, check_tp_plan, model
 
 
 # ======================================== MODEL: its TP plan and pipeline stages (docs/your-model.md)
-# The TP plan is train_tp.py's (model_tp_plan: the GPT's, or a 🤗 Llama-family model's); the pipeline stages
-# are train_pp.py's (stage_modules), with the one thing TP adds here:
+# The TP plan is train_tp.py's (model_tp_plan: the GPT's, or a 🤗 model's from its family's plan); the pipeline
+# stages are train_pp.py's (stage_modules), with the one thing TP adds here:
 def tp_stage_modules(model, stages: list, sp_mesh=None) -> list:
     """train_pp.py's stages of the model (split_pipeline's builder). Under TP with --sequence_parallel
     (`sp_mesh`: the TP mesh) the activations between blocks are cut over the sequence, and each rank sends
     the next stage its slice, a plain tensor. The GPT's blocks take the slice as it comes (its plan's local
-    outputs); a 🤗 model's stage wraps it again as a Shard(1) DTensor, since 🤗 reads the positions, rotary
-    cos/sin and mask off the full length (HFStage's sp_mesh)."""
+    outputs); a 🤗 model's stage gets it wrapped again as a Shard(1) DTensor (SequenceSliceStage), since 🤗
+    reads the positions, rotary cos/sin and masks off the length of what it is given: the whole sequence."""
     from common.model import GPT
 
+    modules = stage_modules(model, stages)
     if sp_mesh is None or isinstance(model, GPT):
-        return stage_modules(model, stages)
-    from common.hf import HFStage, drop_for_stage
+        return modules
+    return [SequenceSliceStage(m, sp_mesh, first, last) for m, (_, first, last) in zip(modules, stages, strict=True)]
 
-    first, last = any(is_first for _, is_first, _ in stages), any(is_last for _, _, is_last in stages)
-    drop_for_stage(model, {i for units, _, _ in stages for i in units}, first, last)
-    return [HFStage(model, units, is_first, is_last, sp_mesh) for units, is_first, is_last in stages]
+
+class SequenceSliceStage(torch.nn.Module):
+    """A 🤗 pipeline stage under sequence parallel: what crosses stages is this rank's sequence slice, a
+    plain tensor; it enters as a Shard(1) DTensor of the whole sequence and leaves as the local slice again."""
+
+    def __init__(self, stage, sp_mesh, is_first: bool, is_last: bool):
+        super().__init__()
+        self.stage, self.sp_mesh, self.is_first, self.is_last = stage, sp_mesh, is_first, is_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not self.is_first:  # TP: hidden states, this rank's slice of the sequence
+            x = DTensor.from_local(x, self.sp_mesh, [Shard(1)], run_check=False)
+        x = self.stage(x)
+        if not self.is_last and isinstance(x, DTensor):
+            x = x.to_local()  # TP: only plain tensors cross stages
+        return x
 
 
 def main():

@@ -34,8 +34,9 @@ split and the arithmetic behind it (common/pipeline.py) know the model only thro
 
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
 
@@ -80,8 +81,8 @@ from common.training import (
 def stage_modules(model: nn.Module, stages: list[tuple[range, bool, bool]]) -> list[nn.Module]:
     """This rank's stages, one module per (units, is_first, is_last); the parts only the first stage
     uses (embeddings) go where this rank holds no first stage, those of the last (final norm, head)
-    where it holds no last. A 🤗 model: common/hf.py's stage, which recomputes the rotary cos/sin on
-    every stage (they hold no weights)."""
+    where it holds no last. A 🤗 model of any family: its parts in the order of its own pipeline plan
+    (config.base_model_pp_plan), each stage running the family's own forward (HFPipelineStage)."""
     from common.model import GPT, GPTStage
 
     holds_first, holds_last = any(first for _, first, _ in stages), any(last for _, _, last in stages)
@@ -91,10 +92,150 @@ def stage_modules(model: nn.Module, stages: list[tuple[range, bool, bool]]) -> l
         if not holds_last:
             model.ln_f = model.lm_head = None
         return [GPTStage(model, units, first, last) for units, first, last in stages]
-    from common.hf import HFStage, drop_for_stage
+    parts = hf_pipeline_parts(model)
+    if not (holds_first and holds_last):  # a tied head would be the embedding of another rank
+        from common.hf import check_untied
 
-    drop_for_stage(model, {i for units, _, _ in stages for i in units}, holds_first, holds_last)
-    return [HFStage(model, units, first, last) for units, first, last in stages]
+        check_untied(model, "pipeline parallelism")
+    base = model.base_model
+    for name in () if holds_first else parts.before:
+        setattr(base, name, None)  # the embedding (and its dropout): freed here, skipped by the TP plan
+    if not holds_last:
+        for name in parts.after:
+            setattr(base, name, None)  # the final norm
+        setattr(model, parts.head, None)  # the output layer
+    return [HFPipelineStage(model, parts, units, first, last) for units, first, last in stages]
+
+
+class HFPipelineParts(NamedTuple):
+    """A 🤗 model's parts in pipeline order, named as its own forward reads them: the base model's
+    children before its decoder layers (embedding, embedding dropout), the layers' path from the root,
+    the children after them (final norm), and the output layer, a child of the root."""
+
+    before: tuple[str, ...]
+    layers: str
+    after: tuple[str, ...]
+    head: str
+
+
+def hf_pipeline_parts(model: nn.Module) -> HFPipelineParts:
+    """From the family's base_model_pp_plan: llama {embed_tokens, layers, norm}, gpt_neox {embed_in,
+    emb_dropout, layers, final_layer_norm}; the output layer is get_output_embeddings() (lm_head).
+    A family without a plan, or with weights outside it, is refused: no stage would know where they run."""
+    c, family, base = model.config, model.config.model_type, model.base_model
+    plan = list(getattr(c, "base_model_pp_plan", None) or {})
+    lists = [name for name in plan if isinstance(getattr(base, name, None), nn.ModuleList)]
+    if len(lists) != 1:
+        raise UsageError(
+            f"--pp_size: {family} has no pipeline plan with one list of decoder layers in transformers "
+            f"(config.base_model_pp_plan: {plan or 'empty'}), so nothing says which parts come before and after "
+            "its layers: train it with train_fsdp.py"
+        )
+    cut = plan.index(lists[0])
+    head = model.get_output_embeddings()
+    head_name = next((n for n, m in model.named_children() if m is head), None) if head is not None else None
+    outside = [n for n, m in base.named_children() if n not in plan and any(True for _ in m.parameters())]
+    outside += [
+        f"{n} (beside the base model)"
+        for n, m in model.named_children()
+        if m is not base and n != head_name and any(True for _ in m.parameters())
+    ]
+    if head_name is None or outside:
+        held = f"holds {', '.join(outside)} outside" if outside else "has no output layer among the children of"
+        raise UsageError(
+            f"--pp_size: {family} {held} its pipeline plan ({', '.join(plan)}, then the output layer), so no "
+            "stage would run it: train it with train_fsdp.py"
+        )
+    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
+    return HFPipelineParts(tuple(plan[:cut]), prefix + lists[0], tuple(plan[cut + 1 :]), head_name)
+
+
+class PassThrough(nn.Module):
+    """Stands in, during one stage's forward, for a part another stage runs (a decoder layer, the embedding's
+    dropout, the final norm): returns the hidden states it is given, whatever else the family's forward
+    passes it (masks, rotary cos/sin, the cache)."""
+
+    def forward(self, hidden_states=None, *args, **kwargs):
+        return hidden_states
+
+
+class HFPipelineStage(nn.Module):
+    """One pipeline stage of a 🤗 model: some of its decoder layers, run by the family's own forward, so
+    each layer gets the mask of its own kind (full, sliding window: config.layer_types, by its index in the
+    model), its rotary cos/sin, Gemma's scaled embedding, gpt-oss's sinks... For the call, every part this
+    stage does not run is a PassThrough; then the model is put back as it was (this rank's other stages,
+    and None for what was dropped: the TP plan and the checkpoints see the model's own names). Input: token
+    ids on the first stage, else hidden states (batch, seq, hidden), given as inputs_embeds; output: the
+    last decoder layer's hidden states, or the logits on the last stage (the family's whole head:
+    final norm, output layer, soft-capping). It registers only what it runs (its FSDP root, the
+    PipelineStage's parameters); the model is not a submodule, since it holds the other stages' parts."""
+
+    def __init__(self, model: nn.Module, parts: HFPipelineParts, layers: range, is_first: bool, is_last: bool):
+        super().__init__()
+        self.__dict__["whole"] = model  # not registered: see above
+        self.parts, self.layer_ids, self.is_first, self.is_last = parts, set(layers), is_first, is_last
+        base, units = model.base_model, model.get_submodule(parts.layers)
+        self.layers = nn.ModuleDict({str(i): units[i] for i in layers})
+        ends = (parts.before if is_first else ()) + (parts.after if is_last else ())
+        self.ends = nn.ModuleDict({name: getattr(base, name) for name in ends if getattr(base, name) is not None})
+        self.head = getattr(model, parts.head) if is_last else None
+
+    @contextmanager
+    def running_alone(self):
+        """The model with every part this stage does not run replaced by a PassThrough, for the call."""
+        base, units = self.whole.base_model, self.whole.get_submodule(self.parts.layers)
+        slots = [(units, str(i)) for i in range(len(units)) if i not in self.layer_ids]
+        slots += [(base, name) for name in (() if self.is_first else self.parts.before)]
+        slots += [(base, name) for name in (() if self.is_last else self.parts.after)]
+        saved = [owner._modules[name] for owner, name in slots]
+        for owner, name in slots:
+            owner._modules[name] = PASS_THROUGH
+        try:
+            yield
+        finally:
+            for (owner, name), module in zip(slots, saved, strict=True):
+                owner._modules[name] = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}  # the embedding runs on stage 0 only
+        with self.running_alone():
+            if self.is_last:
+                return self.whole(**inputs).logits
+            return self.whole.base_model(**inputs).last_hidden_state
+
+
+PASS_THROUGH = PassThrough()
+
+
+def check_stages_compute(model: nn.Module, ranges: list[range], n_tokens: int = 64) -> None:
+    """Before any part is dropped: the stages chained give the whole model's logits, on a few tokens (eval
+    mode, no gradients, the global RNG untouched). Proof, for any family, that its forward does nothing to
+    the hidden states between the parts of its pipeline plan that a stage would miss or repeat (a family
+    that does is refused, one line). The built-in GPT's stages are its own embed/head code: not checked."""
+    from common.model import GPT
+
+    if isinstance(model, GPT):
+        return
+    stages = stage_modules(model, [(r, s == 0, s == len(ranges) - 1) for s, r in enumerate(ranges)])  # drops nothing
+    c, device = model.config, next(model.parameters()).device
+    n_tokens = min(n_tokens, getattr(c, "max_position_embeddings", None) or n_tokens)
+    ids = torch.randint(c.vocab_size, (2, n_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole, x = model(input_ids=ids).logits, ids
+            for stage in stages:
+                x = stage(x)
+    finally:
+        model.train(was_training)
+    diff = (whole - x).abs().max().item() if x.shape == whole.shape else float("inf")
+    if not diff <= 1e-5:
+        raise UsageError(
+            f"--pp_size: {c.model_type}'s {len(ranges)} pipeline stages, chained, do not give the whole model's "
+            f"logits (max |diff| {diff:.2g} on {n_tokens} tokens): its forward does more to the hidden states "
+            "than the parts of its pipeline plan (config.base_model_pp_plan) hold; train it with train_fsdp.py"
+        )
 
 
 # ======================================== PP: the strategy
@@ -110,6 +251,7 @@ def split_pipeline(
     n_stages = layout.pp * stages_per_rank
     ranges = stage_layers(len(units), n_stages, split_points)
     mine = stages_of_rank(layout.pp_rank, layout.pp, stages_per_rank)
+    check_stages_compute(model, ranges)  # the MODEL section's stages, chained on the whole model, are the model
     keep = {i for s in mine for i in ranges[s]}
     names = list(units.keys()) if isinstance(units, nn.ModuleDict) else list(range(len(units)))
     for i, name in enumerate(names):
