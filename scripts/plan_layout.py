@@ -33,6 +33,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -94,14 +95,26 @@ def model_parameters(cfg: GPTConfig) -> tuple[list[dict], int]:
             elif isinstance(style, RowwiseParallel) and short == "weight":  # Linear: input columns; Embedding: rows
                 tp_dim = 0 if isinstance(module, nn.Embedding) else 1
             block = int(module_name.split(".")[1]) if module_name.startswith("blocks.") else None
-            params.append({"name": f"{module_name}.{short}", "shape": tuple(p.shape), "tp_dim": tp_dim, "block": block})
+            top = module_name.split(".")[0]
+            end = "first" if top in ("tok_emb", "pos_emb") else "last" if top in ("ln_f", "lm_head") else None
+            params.append(
+                {
+                    "name": f"{module_name}.{short}",
+                    "shape": tuple(p.shape),
+                    "tp_dim": tp_dim,
+                    "block": block,
+                    "end": end,
+                }
+            )
     return params, count_parameters(model)
 
 
-def split_shape(shape: tuple, tp: int, tp_dim: int | None) -> tuple:
+def split_shape(shape: tuple, tp: int, tp_dim: int | None, floor: int | None = None) -> tuple:
+    """The piece one TP rank holds; `floor`: the smallest piece (one KV head's rows: KV heads fewer than
+    tp are replicated over the ranks that share them)."""
     if tp_dim is None or tp == 1:
         return shape
-    return tuple(n // tp if i == tp_dim else n for i, n in enumerate(shape))
+    return tuple(max(n // tp, floor or 0) if i == tp_dim else n for i, n in enumerate(shape))
 
 
 def fsdp_rows(rows: int, dp_shard: int) -> tuple[int, int]:
@@ -121,20 +134,18 @@ class RankState:
         self.stages = stages_of_rank(pp_rank, layout.pp, stages_per_rank)
         self.layers = [i for s in self.stages for i in layers[s]]
         self.has_first, self.has_last = 0 in self.stages, n_stages - 1 in self.stages
-        keep_root = ({"tok_emb", "pos_emb"} if self.has_first else set()) | (
-            {"ln_f", "lm_head"} if self.has_last else set()
-        )
+        keep_root = ({"first"} if self.has_first else set()) | ({"last"} if self.has_last else set())
         self.units: dict[str, dict] = {}  # unit -> numel held, numel padded (all-gather size), tensors
         for p in params:
             if p["block"] is not None:
                 if p["block"] not in self.layers:
                     continue
                 unit = f"block {p['block']}"
-            elif p["name"].split(".")[0] in keep_root:
+            elif p["end"] in keep_root:  # embeddings on the first stage, final norm and head on the last
                 unit = "root"
             else:
                 continue
-            shape = split_shape(p["shape"], layout.tp, p["tp_dim"])
+            shape = split_shape(p["shape"], layout.tp, p["tp_dim"], p.get("tp_floor"))
             rest = math.prod(shape[1:])
             held, padded = fsdp_rows(shape[0], layout.dp_shard)
             u = self.units.setdefault(unit, {"held": 0, "padded": 0, "full": 0, "tensors": 0})
@@ -158,6 +169,154 @@ class RankState:
         return sum(u["full"] for u in self.units.values())
 
 
+# ======================================== a 🤗 model's config (--model_config)
+# transformers' TP style names (config.base_model_tp_plan) -> the dimension of a weight that TP cuts:
+# column-wise styles cut the output features (dim -2 of a Linear's [out, in] weight or of packed experts'
+# [E, out, in], and the bias), row-wise styles the input features (dim -1; the bias stays whole), a
+# vocabulary-parallel embedding its rows. Replicated norms and the experts module itself hold no cut.
+COLUMN_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
+ROW_STYLES = ("rowwise", "rowwise_split_input", "packed_rowwise")
+EMBEDDING_STYLES = ("embedding_rowwise",)
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral/gpt-oss, Qwen-MoE, DeepSeek
+
+
+def tp_dim_of(style: str | None, ndim: int) -> int | None:
+    if style in EMBEDDING_STYLES:
+        return 0
+    if style in COLUMN_STYLES:
+        return ndim - 2 if ndim >= 2 else 0
+    if style in ROW_STYLES and ndim >= 2:
+        return ndim - 1
+    return None
+
+
+class HFShape:
+    """A 🤗 causal LM read from its config and built on the meta device (no memory), as the training
+    scripts build it from --model_config: fp32, untied embeddings, the byte vocabulary (--vocab_size).
+    It stands where the built-in GPT's GPTConfig stands (n_layer, n_embd, n_head, vocab_size,
+    block_size) and lists its parameters as the planner cuts them:
+    - TP: the columns / rows of the family's base_model_tp_plan, plus what the scripts add to it, a
+      vocabulary-parallel embedding and a column-wise head (loss parallel); KV heads fewer than tp are
+      replicated over the ranks that share them;
+    - PP: stages of decoder layers, the embedding on the first, the final norm and head on the last;
+    - EP: the experts' batched weights (`.experts.` in the name) cut over ep;
+    - FSDP: everything, each decoder layer a unit, the rest the root."""
+
+    def __init__(self, spec: str, vocab_size: int, block_size: int | None):
+        from transformers import AutoModelForCausalLM
+
+        from common.hf import _check_causal_lm, _read_config, _units_path
+
+        config, source = _read_config(spec, block_size)
+        _check_causal_lm(config, f"--model_config {spec}")
+        if vocab_size:  # the scripts train --model_config models on bytes: 256 ids
+            config.vocab_size = vocab_size
+            config.pad_token_id = config.bos_token_id = config.eos_token_id = None
+        config.tie_word_embeddings = False  # untied, as the scripts build it (TP and PP cut the two apart)
+        config.use_cache = False
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"--model_config {spec}: {str(e).strip().splitlines()[0]}") from None
+        self.model_type, self.source = config.model_type, source
+        self.units_path = _units_path(model, f"--model_config {spec}")
+        self.n_layer = len(model.get_submodule(self.units_path))
+        self.n_embd = config.hidden_size
+        self.n_head = config.num_attention_heads
+        self.n_kv_head = getattr(config, "num_key_value_heads", None) or self.n_head
+        self.head_dim = getattr(config, "head_dim", None) or self.n_embd // self.n_head
+        self.vocab_size = config.vocab_size
+        self.block_size = block_size or getattr(config, "max_position_embeddings", None) or 1024
+        self.n_experts = next((getattr(config, f) for f in EXPERT_COUNT_FIELDS if getattr(config, f, None)), 0)
+        self.top_k = getattr(config, "num_experts_per_tok", 0) or 0
+        self.params, self.n_params = self._parameters(model, config)
+        names = [p["name"] for p in self.params if p["block"] == 0]
+        self.gated = any("gate" in n.rsplit(".", 2)[-2] for n in names)  # SwiGLU / GeGLU: gate_proj, gate_up_proj
+        self.intermediate = config.intermediate_size
+        self.moe_layers = sorted({p["block"] for p in self.params if ".experts." in p["name"]})
+        self.expert_numel = sum(math.prod(p["shape"]) for p in self.params if ".experts." in p["name"])
+
+    def _parameters(self, model: nn.Module, config) -> tuple[list[dict], int]:
+        prefix = model.base_model_prefix
+        plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+        patterns = [(re.compile(re.escape(k).replace(r"\*", r"\d+") + "$"), v) for k, v in plan.items()]
+        order = list(getattr(config, "base_model_pp_plan", None) or {})  # embedding, layers, final norm
+        layers_name = self.units_path.split(".")[-1]
+        embedding = model.get_input_embeddings()
+        head = model.get_output_embeddings()
+        params = []
+        for module_name, module in model.named_modules():
+            for short, p in module.named_parameters(recurse=False):
+                name = f"{module_name}.{short}"
+                inner = module_name.removeprefix(f"{prefix}.")
+                style = next((v for r, v in patterns if r.match(inner) or r.match(f"{inner}.{short}")), None)
+                if module is embedding:
+                    style = "embedding_rowwise"  # the scripts' vocabulary-parallel embedding
+                elif module is head:
+                    style = "colwise"  # loss parallel: the logits stay cut over the vocabulary
+                tp_dim = tp_dim_of(style, p.ndim) if not (short == "bias" and style in ROW_STYLES) else None
+                block, end = None, None
+                if name.startswith(f"{self.units_path}."):
+                    block = int(name[len(self.units_path) + 1 :].split(".")[0])
+                else:  # outside the layers: before them in the pp plan -> first stage, else the last
+                    top = inner.split(".")[0]
+                    if module is embedding or (top in order and order.index(top) < order.index(layers_name)):
+                        end = "first"
+                    else:
+                        end = "last"
+                floor = None  # KV heads fewer than tp: each rank keeps one whole KV head (replicated)
+                if tp_dim == 0 and module_name.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
+                    floor = self.head_dim
+                params.append(
+                    {"name": name, "shape": tuple(p.shape), "tp_dim": tp_dim, "block": block, "end": end}
+                    | ({"tp_floor": floor} if floor else {})
+                )
+        return params, count_parameters(model)
+
+    def check_split(self, tp: int, n_stages: int, stages_per_rank: int) -> None:
+        """What the cuts must divide (one line each): TP the query heads, the KV heads (or tp a multiple
+        of them: replicated), the MLP width, the vocabulary; a pipeline a decoder layer per stage."""
+        if tp > 1:
+            for what, size in (
+                ("query heads (num_attention_heads)", self.n_head),
+                ("MLP columns (intermediate_size)", self.intermediate),
+                ("vocabulary rows (--vocab_size)", self.vocab_size),
+            ):
+                if size % tp:
+                    raise UsageError(f"--tp_size {tp} does not divide the model's {size} {what}")
+            if self.n_kv_head % tp and tp % self.n_kv_head:
+                raise UsageError(
+                    f"--tp_size {tp} neither divides the model's {self.n_kv_head} KV heads nor is a multiple of "
+                    "them (to replicate each over tp / kv ranks): use a --tp_size that does one of the two"
+                )
+        if n_stages > self.n_layer:
+            raise UsageError(
+                f"--pp_size {n_stages // stages_per_rank} x --stages_per_rank {stages_per_rank} = {n_stages} stages, "
+                f"but the model has {self.n_layer} decoder layers: every stage needs at least one"
+            )
+
+    def layer_activation_bytes(self, tokens: int, tp: int, bf16: bool) -> int:
+        """The GPT planner's count for a 🤗 decoder layer: the residual stream x and x + attn (fp32), the two
+        norms' outputs, q (heads / tp), k and v (KV heads / tp, at least one), the attention output; the
+        MLP's saved tensors (gated: gate, up, act(gate), their product; plain: its input and activation,
+        intermediate / tp wide); the norms' rstd and attention's log-sum-exp (fp32, small)."""
+        low = 2 if bf16 else 4
+        q_heads, kv_heads = self.n_head // tp, max(self.n_kv_head // tp, 1)
+        residual = 2 * tokens * self.n_embd * 4
+        norm_outputs = 2 * tokens * self.n_embd * low
+        attention = tokens * self.head_dim * (2 * q_heads + 2 * kv_heads) * low
+        mlp = tokens * (self.intermediate // tp) * (4 if self.gated else 2) * low
+        small = (2 * tokens + tokens * q_heads) * 4
+        return residual + norm_outputs + attention + mlp + small
+
+    def describe(self) -> str:
+        return (
+            f"{self.model_type} ({self.source}, vocabulary {self.vocab_size}), {self.n_params / 1e9:.3f}B parameters "
+            f"({self.n_layer} layers x {self.n_embd} wide, {self.n_head} heads, {self.n_kv_head} KV heads)"
+        )
+
+
 # ======================================== activations
 def block_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, tp: int, bf16: bool) -> int:
     """What autograd keeps for one block and one micro-batch (measured with saved-tensor hooks):
@@ -165,6 +324,8 @@ def block_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, tp: i
     v, the attention output, the MLP's 4d-wide input and GELU output; plus LayerNorm mean and rstd
     and attention's log-sum-exp (fp32, small). TP splits everything but the residual stream and
     the norms' outputs (no sequence parallel); SDPA's fused kernels keep no T x T matrix."""
+    if isinstance(cfg, HFShape):
+        return cfg.layer_activation_bytes(micro_batch * seq_len, tp, bf16)
     tokens, d = micro_batch * seq_len, cfg.n_embd
     low = 2 if bf16 else 4  # bytes of a tensor that autocast computes in bf16
     residual = 2 * tokens * d * 4
@@ -318,12 +479,15 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
         for name, unit in rank.units.items():
             reshard = layout.pp == 1 and name != "root"  # what the scripts pass to fully_shard
             gathers = fsdp_all_gathers(args.schedule, layout, pp_rank, m, reshard)
+            # gradient accumulation (no pipeline): a reduce-scatter per micro-batch, as train_fsdp.py does by
+            # default; --unsharded_accumulation and a pipeline's schedule: once, after the last backward
+            reductions = 1 if layout.pp > 1 or args.unsharded_accumulation else m
             if layout.dp_shard > 1:  # each stage of this rank has its own root: one gather each
                 calls = gathers * (len(rank.stages) if name == "root" else 1)
                 step.add("dp_shard", "all_gather", calls, unit["padded"] * param_bytes * gathers / calls)
-                step.add("dp_shard", "reduce_scatter", 1, unit["padded"] * 4)  # once, after the last backward
+                step.add("dp_shard", "reduce_scatter", reductions, unit["padded"] * 4)
             if layout.dp_replicate > 1:  # HSDP: the shards' gradients averaged over the replicas
-                step.add("dp_replicate", "all_reduce", 1, unit["padded"] // layout.dp_shard * 4)
+                step.add("dp_replicate", "all_reduce", reductions, unit["padded"] // layout.dp_shard * 4)
     if layout.pp > 1:
         boundary = tokens * cfg.n_embd * 4  # the residual stream crosses stages, fp32 under autocast too
         n_stages = layout.pp * args.stages_per_rank
@@ -374,13 +538,15 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         pipeline_act = per_stage * in_flight if layout.pp > 1 else act["per_microbatch"]
         # FSDP's gathered copies: two blocks' weights at a time (one computing, the next prefetched)
         # and one block's full gradient before its reduce-scatter. Inside a pipeline the weights stay
-        # gathered from one backward to the next; with several micro-batches the gradients stay
-        # unsharded until the last backward.
+        # gathered from one backward to the next, and the gradients unsharded until the last backward;
+        # so do the gradients of gradient accumulation with --unsharded_accumulation (by default each
+        # micro-batch reduce-scatters them: one block's at a time).
         gathered = 0
         if layout.dp_shard > 1:
             biggest = max(u["full"] for u in rank.units.values())
             weights = (rank.full_numel() if layout.pp > 1 else 2 * biggest) * (2 if bf16 else 4)
-            grads = (rank.full_numel() if m > 1 else biggest) * 4
+            whole = m > 1 and (layout.pp > 1 or args.unsharded_accumulation)
+            grads = (rank.full_numel() if whole else biggest) * 4
             gathered = weights + grads
         memory = own["total_bytes"] + pipeline_act + act["recompute"] + act["logits"] + gathered
         step, first = rank_traffic(cfg, layout, rank, pp_rank, args, bf16)
@@ -504,7 +670,10 @@ def layout_args(layout: Layout, args) -> argparse.Namespace:
 def why_invalid(layout: Layout, cfg: GPTConfig, args) -> str | None:
     """The training scripts' own checks (model.py, common/pipeline.py): None when the layout can run."""
     try:
-        check_gpt_split(cfg, layout.tp, layout.pp * args.stages_per_rank, args.stages_per_rank)
+        if isinstance(cfg, HFShape):
+            cfg.check_split(layout.tp, layout.pp * args.stages_per_rank, args.stages_per_rank)
+        else:
+            check_gpt_split(cfg, layout.tp, layout.pp * args.stages_per_rank, args.stages_per_rank)
         if args.batch_size % args.n_microbatches:
             raise UsageError(
                 f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches}"
@@ -567,7 +736,19 @@ def build_args() -> argparse.ArgumentParser:
     g.add_argument("--n_layer", type=int, help="override the preset's layer count")
     g.add_argument("--n_head", type=int, help="override the preset's head count")
     g.add_argument("--n_embd", type=int, help="override the preset's width")
-    g.add_argument("--block_size", type=int, help="override the preset's context length")
+    g.add_argument("--block_size", type=int, help="override the preset's (or the 🤗 config's) context length")
+    g.add_argument(
+        "--model_config",
+        help="plan a 🤗 transformers model instead: a config JSON file (with model_type) or a folder with "
+        "config.json, read offline and built on the meta device, dense or MoE (MoE: train_ep.py's layouts)",
+    )
+    g.add_argument(
+        "--vocab_size",
+        type=int,
+        default=256,
+        help="with --model_config: the vocabulary as the scripts build it from a config (256 bytes); 0 keeps "
+        "the config's own",
+    )
     g = p.add_argument_group("machines")
     g.add_argument("--world_size", type=int, required=True, help="GPUs (processes) of the job")
     g.add_argument(
@@ -631,6 +812,13 @@ def build_args() -> argparse.ArgumentParser:
         "--activation_checkpointing", action="store_true", help="recompute each block's activations in backward"
     )
     g.add_argument(
+        "--unsharded_accumulation",
+        action="store_true",
+        help="as train_fsdp.py's flag: without a pipeline, keep whole-model unsharded gradients through the "
+        "--n_microbatches of a step and reduce-scatter once (default: a reduce-scatter per micro-batch, sharded "
+        "gradients)",
+    )
+    g.add_argument(
         "--mixed_precision",
         default="no",
         help="no | bf16, as given to accelerate launch: bf16 halves activations and gathered weights "
@@ -657,9 +845,29 @@ EPILOG = """example:
 """
 
 
-def check_args(args) -> GPTConfig:
+def hf_model(args) -> HFShape:
+    """--model_config: the 🤗 model, with the flags that cannot apply to it refused."""
+    for flag in ("n_layer", "n_head", "n_embd", "n_experts"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag} changes the built-in GPT: with --model_config, edit the config instead")
+    if args.vocab_size < 0:
+        raise UsageError(f"--vocab_size must be 0 (the config's) or positive (got {args.vocab_size})")
+    hf = HFShape(args.model_config, args.vocab_size, args.block_size)
+    if hf.n_experts:
+        args.seq_len = args.seq_len or hf.block_size
+        if args.ep_size is not None and (
+            args.ep_size < 1 or args.world_size % args.ep_size or hf.n_experts % args.ep_size
+        ):
+            raise UsageError(
+                f"--ep_size {args.ep_size} must divide --world_size {args.world_size} (every rank is a "
+                f"data-parallel rank) and the model's {hf.n_experts} experts: choose an --ep_size that divides both"
+            )
+    return hf
+
+
+def check_args(args, hf: HFShape | None = None) -> GPTConfig | HFShape:
     """One line per bad flag, naming the fix (exit 2)."""
-    if args.model_size not in MODEL_PRESETS:
+    if hf is None and args.model_size not in MODEL_PRESETS:
         raise UsageError(f"--model_size {args.model_size!r} is not a preset: choose {', '.join(MODEL_PRESETS)}")
     for flag in (
         "world_size",
@@ -694,10 +902,10 @@ def check_args(args) -> GPTConfig:
             f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches} equal "
             "micro-batches: use a batch size divisible by it"
         )
-    cfg = GPTConfig.from_preset(
+    cfg = hf or GPTConfig.from_preset(
         args.model_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size
     )
-    if cfg.n_embd % cfg.n_head:
+    if cfg.n_embd % cfg.n_head and not hf:
         raise UsageError(
             f"--n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}: "
             "choose a head count that divides the width"
@@ -796,12 +1004,15 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
     - all-to-all per MoE layer and micro-batch: tokens x top_k x n_embd x bytes, twice (dispatch and
       combine), in forward and again in backward; (ep - 1) / ep of it leaves the rank;
     - active parameters: what a token goes through (top_k experts of E), against the total."""
-    with torch.device("meta"):
-        model = GPT(cfg)
-    total = count_parameters(model)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    if isinstance(cfg, HFShape):  # a 🤗 MoE: its experts' batched weights, read off the meta model
+        total, experts, n_moe = cfg.n_params, cfg.expert_numel, len(cfg.moe_layers)
+    else:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        total = count_parameters(model)
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
     slices = args.world_size // ep  # the dp / ep groups that cut each rank's experts again (dim 1)
-    n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
     active = total - experts * (cfg.n_experts - cfg.top_k) // cfg.n_experts
     per_state = 4 if args.optimizer == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
     expert_bytes = 4 * experts // args.world_size  # E / ep experts, cut over dp / ep: E / dp experts' worth
@@ -837,16 +1048,17 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
     }
 
 
-def ep_main(args) -> None:
-    """--n_experts: every (ep x dp / ep) layout of train_ep.py, one line each."""
-    cfg = moe_config(args)
+def ep_main(args, cfg=None) -> None:
+    """--n_experts, or a 🤗 MoE config: every (ep x dp / ep) layout of train_ep.py, one line each."""
+    cfg = cfg or moe_config(args)
     args.peak_tflops = args.peak_tflops or PEAK_TFLOPS[args.mixed_precision]
     links = link_settings(args)
     eps = [args.ep_size] if args.ep_size else [e for e in range(1, args.world_size + 1) if not args.world_size % e]
     records = [plan_ep(cfg, args, ep, links) for ep in eps if not cfg.n_experts % ep]
     first = records[0]
+    model = cfg.model_type if isinstance(cfg, HFShape) else args.model_size
     print(
-        f"plan_layout: {args.model_size} model with {cfg.n_experts} experts, top-{cfg.top_k}, in "
+        f"plan_layout: {model} model with {cfg.n_experts} experts, top-{cfg.top_k}, in "
         f"{first['moe_layers']} of {cfg.n_layer} blocks: {first['total_params'] / 1e6:.2f}M parameters, "
         f"{first['active_params_per_token'] / 1e6:.2f}M active per token; {args.world_size} data-parallel ranks, "
         f"{args.batch_size} samples of {args.seq_len} tokens each\n"
@@ -875,11 +1087,12 @@ def ep_main(args) -> None:
 
 def main():
     args = build_args().parse_args()
-    if args.n_experts:  # a mixture of experts: train_ep.py's layouts (every rank data-parallel, experts over ep)
-        return ep_main(args)
-    cfg = check_args(args)
+    hf = hf_model(args) if args.model_config else None  # a 🤗 config, built on the meta device
+    if args.n_experts or (hf and hf.n_experts):  # a mixture of experts: train_ep.py's layouts (experts over ep)
+        return ep_main(args, hf)
+    cfg = check_args(args, hf)
     links = link_settings(args)
-    params, n_params = model_parameters(cfg)
+    params, n_params = (hf.params, hf.n_params) if hf else model_parameters(cfg)
     fixed = {d: getattr(args, d) for d in DIMS}
 
     valid, reasons = [], {}
@@ -916,9 +1129,16 @@ def main():
         if args.global_batch_size
         else f"{args.batch_size} samples per data-parallel rank"
     )
+    model = (
+        hf.describe()
+        if hf
+        else (
+            f"{args.model_size} model, {n_params / 1e9:.3f}B parameters ({cfg.n_layer} layers x "
+            f"{cfg.n_embd} wide, {cfg.n_head} heads)"
+        )
+    )
     print(
-        f"plan_layout: {args.model_size} model, {n_params / 1e9:.3f}B parameters ({cfg.n_layer} layers x "
-        f"{cfg.n_embd} wide, {cfg.n_head} heads), {args.world_size} GPUs in nodes of {args.gpus_per_node}, "
+        f"plan_layout: {model}, {args.world_size} GPUs in nodes of {args.gpus_per_node}, "
         f"{args.gpu_memory_gib:g} GiB each\n"
         f"  step: {batch_line} of {args.seq_len} tokens in {args.n_microbatches} "
         f"micro-batches, schedule {args.schedule}, {args.optimizer}, mixed precision {args.mixed_precision}, "

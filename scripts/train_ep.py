@@ -113,14 +113,6 @@ def check_hf_experts(model, task, expert_modules: list, ep: int) -> None:
             f"--ep_size {ep}: {c.model_type}'s MoE layers hold {sorted(n_experts)} experts, which {ep} ranks cannot "
             "hold equal shares of; use an --ep_size that divides the expert count"
         )
-    aux_loss_coef = getattr(c, "router_aux_loss_coef", 0) or 0
-    if getattr(c, "output_router_logits", False) and aux_loss_coef:
-        raise UsageError(
-            f"{c.model_type}'s config asks for its auxiliary balance loss (output_router_logits, "
-            f"router_aux_loss_coef {aux_loss_coef}), a mean over each forward's tokens: it does not add up over "
-            "data-parallel ranks or micro-batches, so no layout computes the one-process loss; set "
-            "output_router_logits false (or router_aux_loss_coef 0) in the config"
-        )
     if getattr(c, "router_jitter_noise", 0):
         raise UsageError(
             f"{c.model_type}'s router_jitter_noise {c.router_jitter_noise} scales every token by random noise, "

@@ -11,6 +11,8 @@ one per rank. A block's full weights exist only while that block computes:
 
     memory per rank (fp32 Adam):  DDP 16 bytes x params    FSDP 16/N bytes x params (+ one block unsharded)
     communication per step:       DDP all-reduce 2x        FSDP all-gather x2 + reduce-scatter = 3x (1.5x DDP)
+    gradient accumulation:        a reduce-scatter per micro-batch, gradients sharded (--unsharded_accumulation:
+                                  whole gradients through the window, one reduce-scatter at its last micro-batch)
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_fsdp.py
@@ -76,18 +78,23 @@ def apply_fsdp(units, roots: list, mesh, mixed_precision="no", reshard_after_for
 
 
 def fsdp_forward_backward(
-    accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int
+    accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int, unsharded_accumulation=False
 ) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
     normalised by the target count of the whole global batch (all micro-batches, all ranks), not
-    averaged per micro-batch (which weights targets unequally when their counts differ)."""
+    averaged per micro-batch (which weights targets unequally when their counts differ).
+
+    Gradient accumulation, by default as torchtitan: every micro-batch's backward reduce-scatters each
+    unit's gradient and frees the unsharded one, so a rank accumulates only its 1/N shard. With
+    `unsharded_accumulation` (FSDP's no_sync), each unit keeps its whole unsharded gradient until the
+    window's last micro-batch and reduce-scatters once: 1/m of the traffic, the whole model's gradients."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for i, mb in enumerate(micro_batches):
-        if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
+        if unsharded_accumulation and isinstance(model, FSDPModule):  # FSDP: reduce-scatter at the last only
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with accelerator.autocast():  # Accelerate: autocast
             loss_sum, _ = task.loss_of(model, mb)
-            # FSDP averages the gradients over the dp ranks (one reduce-scatter per step):
+            # FSDP averages the gradients over the dp ranks (in each reduce-scatter):
             # scale back, so the gradient is that of (global loss sum / global targets)
             accelerator.backward(loss_sum * dp_size / n_global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach()
@@ -103,6 +110,9 @@ def main():
     g.add_argument("--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True, help=reshard)
     g.add_argument("--cpu_offload", action="store_true", help="keep shards, gradients, optimizer state in CPU memory")
     g.add_argument("--activation_checkpointing", action="store_true", help="recompute each unit's activations")
+    whole = "keep whole-model unsharded gradients through the accumulation window and reduce-scatter once at its "
+    whole += "last micro-batch: less communication, more memory (default: reduce-scatter every micro-batch)"
+    g.add_argument("--unsharded_accumulation", action="store_true", help=whole)
     sync_bn = "BatchNorm over the global micro-batch (all dp ranks): the same run as one process (without it, each "
     g.add_argument("--sync_batchnorm", action="store_true", help=sync_bn + "rank normalises its own micro-batch)")
     args = parser.parse_args()
@@ -140,8 +150,9 @@ def main():
     # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
     from common.model import language_model
 
-    model, task = language_model(args, data)
-    model = model.to(accelerator.device)
+    model, task = language_model(args, data, on_meta=True)  # FSDP: a 🤗 model on meta, made below in shards
+    on_meta = any(p.is_meta for p in model.parameters())
+    model = model if on_meta else model.to(accelerator.device)
     if args.n_experts:  # the MoE: before every optimizer step, the step's token counts move the expert bias
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -164,6 +175,9 @@ def main():
     if shard:  # FSDP: shard every unit, then the root
         mesh = layout.fsdp_mesh or layout.sub("dp_shard")
         apply_fsdp(units, [model], mesh, accelerator.mixed_precision, args.reshard_after_forward, args.cpu_offload)
+    if on_meta:  # FSDP: each rank makes only its shards, no rank the whole model (read, or initialised, in slices)
+        model.to_empty(device="cpu" if args.cpu_offload else accelerator.device)
+        task.materialize(model)
 
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
@@ -188,7 +202,10 @@ def main():
     fsdp_line = f"FSDP over {layout.dp_replicate} x {layout.dp_shard} ranks (replicas x shards)"
     fsdp_line += "" if len(units) else "; the Task names no units: the whole model is one FSDP unit"
     fsdp_line = fsdp_line if shard else "FSDP over 1 rank: nothing to shard, so fully_shard is not applied"
-    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
+    fsdp_line += "; each rank made only its shards of the weights (built on meta)" if on_meta and shard else ""
+    unsharded = args.unsharded_accumulation and shard  # FSDP: whole gradients through the accumulation window
+    window = {"grad_accum": grad_accum, "unsharded_accumulation": unsharded}  # FSDP: the costs say which
+    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)  # FSDP: + window
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
     monitor.start(task, model_line, n_params, data, [fsdp_line, costs, bn_line], resume_path, layout)
 
@@ -198,8 +215,10 @@ def main():
     while step < last_step and not feed.preempted:
         with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
             micro_batches, n_global_targets = feed.next_step()
-            with monitor.collectives():  # FSDP: per unit all-gather, compute; backward reduce-scatters (counted once)
-                loss_sum = fsdp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
+            with monitor.collectives():  # FSDP: per unit all-gather, compute; backward reduce-scatters
+                loss_sum = fsdp_forward_backward(  # FSDP: a reduce-scatter per micro-batch, or per step (unsharded)
+                    accelerator, model, task, micro_batches, n_global_targets, dp_size, unsharded
+                )  # FSDP: the step's loss sum
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # FSDP: each rank updates its own shard
@@ -219,7 +238,7 @@ def main():
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
-    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, **window)  # FSDP: window
     monitor.summary(step, preempted=feed.preempted, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

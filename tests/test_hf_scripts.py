@@ -2,7 +2,8 @@
 the byte vocabulary, each script on 2 and 4 CPU processes matches the one-process train_ddp.py run of
 the same model within 1e-5 (fp32), for Llama and Qwen2; the exported folder loads with
 `AutoModelForCausalLM.from_pretrained` and gives the run's eval loss; a pretrained folder with a
-tokenizer trains on that tokenizer's ids. Everything offline: the test writes every config and
+tokenizer trains on that tokenizer's ids, and train_fsdp.py, which reads only each rank's slices of its
+files, matches train_ddp.py, which loads it whole. Everything offline: the test writes every config and
 tokenizer it uses."""
 
 import argparse
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import SCRIPTS, TINY, assert_same_losses, evals, launch, read_metrics, summary, train_losses
+from conftest import SCRIPTS, TINY, assert_same_losses, evals, launch, summary, train_losses
 
 sys.path.insert(0, str(SCRIPTS))
 from common.cli import add_data_args
@@ -180,7 +181,9 @@ def test_export_loads_with_from_pretrained_and_evaluates(configs, references, da
 
 def test_pretrained_folder_trains_on_its_tokenizer(configs, data_cache, tmp_path):
     """A local pretrained folder (saved here: a tiny Llama and a byte-level BPE trained on a few strings)
-    trains on its tokenizer's ids, and its export carries the tokenizer."""
+    trains on its tokenizer's ids, and its export carries the tokenizer. train_fsdp.py builds it on the
+    meta device and each rank reads only its shards from the safetensors file (the untied head from the
+    tied embedding's tensor): the losses are those of train_ddp.py, which loads the model whole."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
@@ -194,17 +197,29 @@ def test_pretrained_folder_trains_on_its_tokenizer(configs, data_cache, tmp_path
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     folder = tmp_path / "pretrained"
     torch.manual_seed(0)
-    config = LlamaConfig(**{k: v for k, v in BASE.items()}, vocab_size=len(tokenizer), tie_word_embeddings=False)
+    # tied embeddings, untied by the run: the head of each rank's shards is read from the embedding's tensor
+    config = LlamaConfig(**{k: v for k, v in BASE.items()}, vocab_size=len(tokenizer), tie_word_embeddings=True)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    out = tmp_path / "run"
-    result = launch(
-        "train_fsdp.py",
-        [*TINY, *FLAGS, "--model_name_or_path", str(folder), "--batch_size", "8", "--data_cache_dir", data_cache]
-        + ["--output_dir", str(out)],
-        nproc=2,
-    )
+    flags = [*TINY, *FLAGS, "--model_name_or_path", str(folder), "--untie_embeddings", "--data_cache_dir", data_cache]
+    out, one = tmp_path / "run", tmp_path / "one"
+    result = launch("train_fsdp.py", [*flags, "--batch_size", "8", "--output_dir", str(out)], nproc=2)
     assert f"{len(tokenizer)} ids" in result.stdout  # the banner names the tokenizer's vocabulary
-    ids = [r for r in read_metrics(out) if r["type"] == "train"]
-    assert len(ids) == 4 and all(r["loss"] < 10 for r in ids)
+    assert "each rank made only its shards of the weights" in result.stdout  # built on meta, read in slices
+    launch("train_ddp.py", [*flags, "--batch_size", "16", "--output_dir", str(one)], nproc=1)  # loaded whole
+    assert_same_losses(train_losses(one), train_losses(out), STEPS, 1e-5)
     assert AutoTokenizer.from_pretrained(out / "model").vocab_size == tokenizer.vocab_size
+
+
+def test_a_loss_the_scripts_do_not_compute_is_refused(data_cache, tmp_path):
+    """An MoE config asking for its auxiliary balance loss (output_router_logits) would have it silently
+    dropped by the scripts' loss, under every strategy: one line, exit 2, nothing written."""
+    config = tmp_path / "mixtral.json"
+    mixtral = {**BASE, "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True}
+    config.write_text(json.dumps({"model_type": "mixtral", **mixtral}))
+    out = tmp_path / "run"
+    flags = [*TINY, *FLAGS, "--model_config", str(config), "--data_cache_dir", data_cache, "--output_dir", str(out)]
+    result = launch("train_ddp.py", flags, nproc=1, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "auxiliary balance loss" in result.stderr and "output_router_logits false" in result.stderr
+    assert not out.exists() or not any(out.iterdir())

@@ -221,3 +221,124 @@ def test_context_parallel_cuts_activations_and_adds_the_ring(monkeypatch, capsys
     block = 2 * 1 * (2048 // 2) * (2048 // 2) * 2  # K and V of one micro-batch, seq/cp tokens, d/tp wide, bf16
     assert cp["ring_bytes_per_layer"] == {"forward": block, "backward": 3 * block}
     assert "ring_bytes_per_layer" not in plain
+
+
+# ----------------------------------------------------------------------------- a 🤗 config (--model_config)
+def real_model(config_path):
+    """The model the training scripts build from --model_config (fp32, untied, the byte vocabulary)."""
+    from argparse import Namespace
+
+    from common.hf import load_hf_model
+
+    args = Namespace(model_config=str(config_path), model_name_or_path=None, block_size=None)
+    return load_hf_model(args, 16, "text", tokenizer=None)[0]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    from zoo_configs import write_configs
+
+    return write_configs(tmp_path_factory.mktemp("zoo"))
+
+
+def test_hf_config_is_counted_and_cut_as_the_scripts_build_it(zoo, monkeypatch, capsys):
+    """Llama's tiny config: every parameter of the real model, with its shape; TP 2 cuts q/k/v, gate/up
+    (rows), o/down (columns), the embedding and head (vocabulary rows) in half and keeps the norms whole;
+    at TP 8 the 4 KV heads are replicated (each rank keeps one: head_dim rows of k and v)."""
+    model = real_model(zoo["llama"])
+    shape = plan_layout.HFShape(str(zoo["llama"]), 256, None)
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+    assert {p["name"]: p["shape"] for p in shape.params} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+    def expected_param_bytes(tp: int) -> int:
+        total = 0
+        for name, p in model.named_parameters():
+            numel = p.numel()
+            if any(k in name for k in ("q_proj", "gate_proj", "up_proj", "o_proj", "down_proj", "embed", "lm_head")):
+                numel //= tp
+            elif "k_proj" in name or "v_proj" in name:
+                numel = max(numel // tp, 8 * 64)  # one KV head: head_dim 8 rows of 64
+            total += 4 * numel
+        return total
+
+    flags = ("--model_config", str(zoo["llama"]), "--seq_len", "16", "--pp_size", "1", "--dp_replicate", "1")
+    for tp in (2, 8):
+        record = plan(monkeypatch, capsys, *flags, "--dp_shard", "1", "--tp_size", str(tp), "--world_size", str(tp))[0]
+        assert record["state_bytes_per_rank_max"]["param_bytes"] == expected_param_bytes(tp), tp
+    # PP 2: the embedding on stage 0, the norm and head on stage 1, two decoder layers each (AdamW: 16 bytes a
+    # parameter, and a 4-byte step count per tensor: 2 x 9 + 1 and 2 x 9 + 2 tensors)
+    pipeline = ("--world_size", "2", "--pp_size", "2", "--dp_replicate", "1", "--dp_shard", "1", "--tp_size", "1")
+    record = plan(monkeypatch, capsys, *flags[:4], *pipeline, "--n_microbatches", "2")[0]
+    stages = [r["state_bytes"] for r in record["per_pp_rank"]]
+    layer = sum(p.numel() for n, p in model.named_parameters() if ".layers.0." in n)
+    first = 2 * layer + model.model.embed_tokens.weight.numel()
+    last = 2 * layer + model.model.norm.weight.numel() + model.lm_head.weight.numel()
+    adam = [16 * n + 4 * k for n, k in ((first, 19), (last, 20))]
+    assert stages == adam
+
+
+def test_hf_moe_config_plans_expert_parallel(zoo, monkeypatch, capsys):
+    """Mixtral's tiny config: train_ep.py's layouts; the experts' batched weights (4 x [256, 64] and
+    4 x [64, 128] per layer) counted from the real model, cut over all 4 ranks (E / ep experts over dp / ep)."""
+    model = real_model(zoo["mixtral"])
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts == 4 * 4 * (256 * 64 + 64 * 128)
+    records = plan(monkeypatch, capsys, "--model_config", str(zoo["mixtral"]), "--world_size", "4", "--seq_len", "16")
+    assert [r["ep"] for r in records] == [1, 2, 4]
+    for r in records:
+        assert r["total_params"] == sum(p.numel() for p in model.parameters())
+        assert r["expert_param_bytes_per_rank"] == 4 * experts // 4 and r["moe_layers"] == 4
+        assert r["active_params_per_token"] == r["total_params"] - experts // 2  # top-2 of 4 experts
+        assert r["expert_gathered_bytes_per_layer"] == 4 * experts // r["ep"] // 4
+
+
+def test_a_7b_llama_config(tmp_path, monkeypatch, capsys):
+    """Llama 2 7B's config with its own vocabulary (--vocab_size 0): 6,738,415,616 parameters, Meta's figure.
+    FSDP over 64 GPUs with 8 micro-batches: 1/64 of the state per rank; by default the gradients stay
+    sharded (one layer's unsharded at a time, a reduce-scatter per micro-batch), with --unsharded_accumulation
+    the whole model's (4 bytes a parameter) stay gathered, for 1/8 of the reduce-scatters."""
+    config = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32}
+    config |= {"num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000}
+    config |= {"max_position_embeddings": 4096}
+    path = tmp_path / "llama7b.json"
+    path.write_text(json.dumps(config))
+    flags = ("--model_config", str(path), "--vocab_size", "0", "--world_size", "64", "--pp_size", "1")
+    flags += ("--dp_replicate", "1", "--dp_shard", "64", "--tp_size", "1", "--mixed_precision", "bf16")
+    flags += ("--batch_size", "8", "--n_microbatches", "8", "--seq_len", "4096")
+    sharded = plan(monkeypatch, capsys, *flags)[0]
+    unsharded = plan(monkeypatch, capsys, *flags, "--unsharded_accumulation")[0]
+    n = 6_738_415_616
+    assert sharded["ddp_state_bytes_per_rank"]["param_bytes"] == 4 * n
+    assert sharded["state_bytes_per_rank_max"]["total_bytes"] == pytest.approx(16 * n / 64, rel=0.01)
+    layer = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096  # q, k, v, o; gate, up, down; two norms
+    root = 2 * 32000 * 4096 + 4096  # embedding, final norm, head: the biggest unit
+    assert layer < root
+    # two units' bf16 weights (one computing, one prefetched) and one unit's fp32 gradient, or every gradient
+    assert sharded["per_pp_rank"][0]["fsdp_gathered_bytes"] == 2 * 2 * root + 4 * root
+    assert unsharded["per_pp_rank"][0]["fsdp_gathered_bytes"] == 2 * 2 * root + 4 * n
+    calls = [{c["kind"]: c["calls"] for c in r["collectives_per_step_rank0"]} for r in (sharded, unsharded)]
+    assert calls[0]["reduce_scatter"] == 8 * 33 and calls[1]["reduce_scatter"] == 33  # 32 layers + the root
+    assert sharded["memory_bytes_per_rank_max"] < unsharded["memory_bytes_per_rank_max"] - 4 * n * 0.9
+
+
+def test_hf_fsdp_plan_matches_the_measured_run(zoo, monkeypatch, capsys, tmp_path, data_cache):
+    """One step of train_fsdp.py on Llama's tiny config, 2 ranks, 2 micro-batches: the plan's state bytes
+    (1%) and first-step collectives (calls and MiB) are the run's."""
+    out = tmp_path / "run"
+    flags = ("--model_config", str(zoo["llama"]), "--addition_digits", "4", "--max_steps", "1")
+    launch_tiny(
+        "train_fsdp.py", out, data_cache, *flags, "--batch_size", "4", "--gradient_accumulation_steps", "2", nproc=2
+    )
+    measured = summary(out)
+    record = plan(
+        monkeypatch,
+        capsys,
+        *("--model_config", str(zoo["llama"]), "--seq_len", "16", "--world_size", "2", "--pp_size", "1"),
+        *("--dp_replicate", "1", "--dp_shard", "2", "--tp_size", "1", "--batch_size", "8", "--n_microbatches", "2"),
+    )[0]
+    for field, value in measured["state_bytes_per_rank_max"].items():
+        assert record["state_bytes_per_rank_max"][field] == pytest.approx(value, rel=0.01), field
+    planned, seen = record["collectives_first_step_rank0"], measured["collectives_first_step_rank0"]
+    assert {k: v["calls"] for k, v in planned.items()} == {k: v["calls"] for k, v in seen.items()}
+    for kind, figures in seen.items():
+        assert figures["mib"] == pytest.approx(planned[kind]["mib"], abs=1e-4), kind

@@ -171,12 +171,14 @@ def hf_context_length(args) -> int:
     return block or (min(limit, DEFAULT_CONTEXT) if limit else SMALL_CONTEXT)
 
 
-def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto"):
+def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto", on_meta: bool = False):
     """-> (model, HFCausalLMTask) from args.model_name_or_path or args.model_config (exactly one).
 
     Call `set_seed` first: a model built from a config is initialised from torch's RNG, so every rank
     builds the same weights. `tokenizer`: what load_tokenizer(args) returned (the data was encoded with
-    it); "auto" loads it here. Raises UsageError, one line, for anything the user can fix."""
+    it); "auto" loads it here. `on_meta`: return the model on the meta device (no weights yet), for a
+    strategy that cuts it first and then makes only its own part (materialize_hf); else the whole model
+    on the CPU. Raises UsageError, one line, for anything the user can fix."""
     from transformers import AutoModelForCausalLM
 
     name, spec = getattr(args, "model_name_or_path", None), getattr(args, "model_config", None)
@@ -199,13 +201,23 @@ def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto"):
         # untied, like the built-in GPT: TP shards the two apart and PP puts them on different stages
         config.tie_word_embeddings = False
         config.use_cache = False
-        try:
-            model = _with_attention(lambda **b: AutoModelForCausalLM.from_config(config, **b), build)
+        try:  # on the meta device: the weights are made module by module (materialize_hf), on any layout
+            with torch.device("meta"):
+                model = _with_attention(lambda **b: AutoModelForCausalLM.from_config(config, **b), build)
         except (ValueError, TypeError) as e:
             raise UsageError(f"--model_config {spec}: {_first_line(e)}") from None
+        weights = None  # random init
     else:
         folder, config = _pretrained_config(name)
         config.use_cache = False
+        weights = _safetensors_names(folder) if on_meta else None  # {name: file}: each rank reads its slices
+        if weights is not None:
+            with torch.device("meta"):
+                model = _with_attention(lambda **b: AutoModelForCausalLM.from_config(config, **b), build)
+            if getattr(args, "untie_embeddings", False):
+                untie_embeddings(model)
+            weights = _weights_by_parameter(model, weights)  # None where the names differ (a converted format)
+    if spec is None and weights is None:  # the whole model on every rank, as from_pretrained loads it
         try:
             with _no_progress_bars():
                 model = _with_attention(
@@ -214,13 +226,150 @@ def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto"):
                 )
         except (OSError, ValueError, TypeError, KeyError) as e:  # no weights, custom code ...
             raise UsageError(f"--model_name_or_path {name}: could not load it ({_first_line(e)})") from None
-        source = f"pretrained {name}"
         if getattr(args, "untie_embeddings", False):
             untie_embeddings(model)
-    units_path = _units_path(model, f"--model_config {spec}" if spec else f"--model_name_or_path {name}")
+    source = source if spec else f"pretrained {name}"
+    if on_meta and not is_on_meta(model):  # asked for the meta device, but the file needs transformers' loader
+        source += ", loaded whole on every rank: its files' tensor names are not the model's"
+    what = f"--model_config {spec}" if spec else f"--model_name_or_path {name}"
+    _check_loss_is_ours(model.config, what)
+    units_path = _units_path(model, what)
     check_vocab_fits(model, tokenizer)
     model.train()  # from_pretrained returns it in eval mode
-    return model, HFCausalLMTask(seq_len, data_task, model.config, source, tokenizer, units_path)
+    task = HFCausalLMTask(seq_len, data_task, model.config, source, tokenizer, units_path)
+    task.weights = weights  # {parameter or buffer name: (file, name in it)} for a model on meta; None: random init
+    if is_on_meta(model) and not on_meta:
+        model.to_empty(device="cpu")
+        materialize_hf(model, task)  # the whole model, made as a sharded run makes its parts
+    return model, task
+
+
+def _check_loss_is_ours(config, what: str) -> None:
+    """The scripts' loss is the next-token cross-entropy, summed (CausalLMTask). A config that asks its
+    forward for more (an MoE's auxiliary balance loss) would be silently dropped: refused, one line."""
+    coef = getattr(config, "router_aux_loss_coef", 0) or 0
+    if getattr(config, "output_router_logits", False) and coef:
+        raise UsageError(
+            f"{what}: {config.model_type}'s config asks for its auxiliary balance loss (output_router_logits, "
+            f"router_aux_loss_coef {coef}), which the scripts' loss does not hold: a mean over each forward's "
+            "tokens, it does not add up over data-parallel ranks or micro-batches, so no layout would compute the "
+            "one-process loss; set output_router_logits false (or router_aux_loss_coef 0) in the config"
+        )
+
+
+def is_on_meta(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in model.parameters())
+
+
+def _post_order(module: nn.Module, init_fn):
+    """(module, its init function) in the order transformers' initialize_weights visits them (children
+    first; a sub-model such as the base model brings its own _initialize_weights)."""
+    from transformers import PreTrainedModel
+
+    for child in module.children():
+        yield from _post_order(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init_fn)
+    yield module, init_fn
+
+
+@torch.no_grad()
+def materialize_hf(model: nn.Module, task) -> None:
+    """Make the weights of a 🤗 model built on the meta device, wherever its parameters now are: whole, or
+    this rank's part as DTensors (after fully_shard or parallelize_module, then model.to_empty(device)).
+    One module at a time, each parameter is made whole on the CPU, then this rank's part is copied in, so no
+    rank ever holds more than one module's whole weights:
+    - random init (task.weights None): transformers' own _init_weights, module by module in its own order
+      from the seeded RNG: the same weights on every layout (not those from_config draws: its layers' own
+      constructors draw from the RNG first);
+    - pretrained: read from the safetensors files, only this rank's slice of each tensor.
+    The rotary embeddings' buffers are computed by their init in both cases."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from transformers import initialization as hf_init
+
+    weights, custom, files = task.weights, model.is_custom_code(), {}
+
+    def whole_on_cpu(t):
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+    def part_of(t, whole):  # this rank's part of a whole tensor, as t holds it
+        if isinstance(t, DTensor):
+            return distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local()
+        return whole
+
+    def read_part(t, where):  # only this rank's slice, from the file
+        file, key = where
+        if file not in files:
+            files[file] = safe_open(file, framework="pt")
+        sliced = files[file].get_slice(key)
+        if isinstance(t, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            sliced = sliced[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        else:
+            sliced = sliced[:]
+        return sliced.to(t.dtype)
+
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    done = set()  # a tensor two modules share (tied weights) is made once
+    with hf_init.guard_torch_init_functions():
+        for module, init_fn in _post_order(model, model._initialize_weights):
+            prefix = f"{names[id(module)]}." if names[id(module)] else ""
+            own = {n: t for n, t in {**module._parameters, **module._buffers}.items() if t is not None}
+            own = {n: t for n, t in own.items() if id(t) not in done}
+            from_file = {n for n in own if weights is not None and prefix + n in weights}
+            made = {n: whole_on_cpu(t) for n, t in own.items() if n not in from_file}
+            if made:  # transformers' init of this module, on whole CPU tensors standing in for its own
+                for n, t in made.items():
+                    if n in module._parameters:
+                        module._parameters[n] = nn.Parameter(t, requires_grad=own[n].requires_grad)
+                    else:
+                        module._buffers[n] = t
+                module.__dict__.pop("_is_hf_initialized", None)
+                try:
+                    init_fn(module, custom)
+                finally:
+                    for n in made:
+                        slot = module._parameters if n in module._parameters else module._buffers
+                        made[n], slot[n] = slot[n].detach(), own[n]
+            for n, t in own.items():
+                local = t.to_local() if isinstance(t, DTensor) else t
+                local.copy_(read_part(t, weights[prefix + n]) if n in from_file else part_of(t, made[n]))
+                done.add(id(t))
+
+
+def _safetensors_names(folder: Path) -> dict | None:
+    """{tensor name: its safetensors file} of a pretrained folder, or None without safetensors files."""
+    from safetensors import safe_open
+
+    index = Path(folder) / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: str(Path(folder) / f) for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = Path(folder) / "model.safetensors"
+    if not single.is_file():
+        return None
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), str(single))
+
+
+def _weights_by_parameter(model: nn.Module, names: dict) -> dict | None:
+    """{parameter or persistent buffer name: (file, name in the file)}, or None where the file's names are
+    not the model's (a format transformers converts while loading): the model is then loaded whole."""
+    wanted = [n for n, _ in model.named_parameters()]
+    modules = model.named_modules()
+    non_persistent = {f"{m}.{b}".lstrip(".") for m, mod in modules for b in mod._non_persistent_buffers_set}
+    wanted += [n for n, _ in model.named_buffers() if n not in non_persistent]
+    tied = {}
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and embed is not None:  # an untied head from a tied checkpoint: the embedding's values
+        names_of = {m: n for n, m in model.named_modules()}
+        tied[f"{names_of[head]}.weight"] = f"{names_of[embed]}.weight"
+    out = {}
+    for n in wanted:
+        key = n if n in names else tied.get(n)
+        if key not in names:
+            return None
+        out[n] = (names[key], key)
+    return out
 
 
 def _with_attention(build_model, build: dict) -> nn.Module:
@@ -406,6 +555,11 @@ class HFCausalLMTask(CausalLMTask):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
         replace_dir(tmp, model_dir)
+
+    def materialize(self, model: nn.Module) -> None:
+        """The weights of a model built on the meta device (load_hf_model(on_meta=True)), once a strategy has cut
+        it and moved it with model.to_empty(device): this rank's parts only (materialize_hf)."""
+        materialize_hf(model, self)
 
     # --- context parallelism (train_cp.py): the attention is replaceable, the positions are given
     def set_attention(self, model: nn.Module, attention) -> None:

@@ -358,14 +358,15 @@ def tokenizer_for(args):
     return None
 
 
-def language_model(args, data) -> tuple[nn.Module, CausalLMTask]:
+def language_model(args, data, on_meta: bool = False) -> tuple[nn.Module, CausalLMTask]:
     """The built-in GPT (--model_size and overrides), or a 🤗 transformers causal LM
     (--model_name_or_path, --model_config), and its Task. Seed first: every rank builds the same
-    full model before any strategy cuts it."""
+    full model before any strategy cuts it. `on_meta`: a 🤗 model comes on the meta device, its weights
+    made after the strategy has cut it (common/hf.py materialize_hf); the GPT is built whole."""
     if getattr(args, "model_name_or_path", None) or getattr(args, "model_config", None):
         from .hf import load_hf_model
 
-        return load_hf_model(args, data.seq_len, data.task)
+        return load_hf_model(args, data.seq_len, data.task, on_meta=on_meta)
     cfg = gpt_config_from_args(args)
     model = GPT(cfg)
     if cfg.n_experts:

@@ -37,24 +37,76 @@ def training_state_bytes(model: nn.Module, optimizer) -> dict:
     return figures
 
 
-def sharded_start_line(model, layout, n_params: int, optimizer_name: str, accelerator) -> str:
-    """What each rank holds, printed at start beside DDP's figure. Collective (a gather)."""
+def unsharded_grad_bytes(model: nn.Module) -> int:
+    """fp32 bytes of this rank's gradients gathered over FSDP's mesh dimensions (dp_shard, dp_shard_cp:
+    the mesh dimensions named dp*) but still cut by the others (tp, ep): what FSDP's no_sync keeps
+    unsharded through an accumulation window (fp32: the reduce dtype under bf16 too)."""
+    total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        numel = p.numel()  # a DTensor's global size
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ("",) * p.device_mesh.ndim
+            for i, placement in enumerate(p.placements):
+                if placement.is_shard() and not names[i].startswith("dp"):
+                    numel //= p.device_mesh.size(i)  # TP / EP cuts stay
+        total += 4 * numel
+    return total
+
+
+def accumulation_figures(model, accelerator, grad_accum: int, unsharded_accumulation: bool) -> dict:
+    """How the gradients of an accumulation window are kept: sharded (a reduce-scatter per unit and
+    micro-batch: torchtitan's default) or, with --unsharded_accumulation, whole until the window's last
+    micro-batch (one reduce-scatter per unit and step). Collective (a gather)."""
+    held = gather_max(accelerator, unsharded_grad_bytes(model)) if unsharded_accumulation else 0
+    return {
+        "micro_batches": grad_accum,
+        "gradients": "unsharded" if unsharded_accumulation else "sharded",
+        "reduce_scatters_per_unit_and_step": 1 if unsharded_accumulation else grad_accum,
+        "unsharded_grad_bytes_per_rank_max": round(held),
+    }
+
+
+def sharded_start_line(
+    model, layout, n_params: int, optimizer_name: str, accelerator, grad_accum: int = 1, unsharded_accumulation=False
+) -> str:
+    """What each rank holds, printed at start beside DDP's figure; with gradient accumulation, how its
+    gradients are kept through the window. Collective (a gather)."""
     param_bytes = gather_max(accelerator, local_bytes(model.parameters()))
     per_state = 4 if optimizer_name == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
     ddp_bytes = ddp_state_bytes(n_params, optimizer_name)["total_bytes"]
-    return (
+    line = (
         f"parameters per rank (largest): {param_bytes / 2**20:.2f} MiB "
         f"of the unsharded {4 * n_params / 2**20:.2f} MiB; "
         f"with gradients and optimizer state ~{per_state * param_bytes / 2**20:.2f} MiB "
         f"(DDP: {ddp_bytes / 2**20:.2f} MiB, ideal split over {layout.model_split}: "
         f"{ddp_bytes / layout.model_split / 2**20:.2f} MiB)"
     )
+    if grad_accum > 1 and unsharded_accumulation:
+        held = accumulation_figures(model, accelerator, grad_accum, True)["unsharded_grad_bytes_per_rank_max"]
+        line += (
+            f"; --unsharded_accumulation: + {held / 2**20:.2f} MiB of unsharded gradients held through the "
+            f"{grad_accum} micro-batches, one reduce-scatter per unit and step"
+        )
+    elif grad_accum > 1:
+        line += f"; gradients stay sharded through the {grad_accum} micro-batches (a reduce-scatter per unit and each)"
+    return line
 
 
-def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, model, optimizer) -> dict:
+def sharded_summary(
+    accelerator,
+    layout,
+    n_params: int,
+    optimizer_name: str,
+    model,
+    optimizer,
+    grad_accum=1,
+    unsharded_accumulation=False,
+) -> dict:
     """The cost figures of a sharded run's summary: measured bytes per rank (largest rank)
-    against DDP's and the ideal split (the first step's collectives: RunMonitor.summary). Collective
-    (gathers)."""
+    against DDP's and the ideal split (the first step's collectives: RunMonitor.summary); with gradient
+    accumulation, how the window keeps its gradients. Collective (gathers)."""
     state_bytes = training_state_bytes(model, optimizer)
     measured = {
         k: gather_max(accelerator, state_bytes.get(k, 0))
@@ -72,4 +124,9 @@ def sharded_summary(accelerator, layout, n_params: int, optimizer_name: str, mod
         "ideal_state_bytes_per_rank": round(ideal),
         "state_vs_ideal": round(measured["total_bytes"] / ideal, 4),
         "unsharded_param_bytes": 4 * n_params,
+        **(
+            {"gradient_accumulation": accumulation_figures(model, accelerator, grad_accum, unsharded_accumulation)}
+            if grad_accum > 1
+            else {}
+        ),
     }

@@ -237,7 +237,7 @@ def check_task_contract(task: Task, model: nn.Module, validation, device, contex
         raise _contract_error("count_targets", counted, "the number of targets in the micro-batch (an int)")
     was_training = model.training
     model.eval()  # no dropout; BatchNorm uses its running statistics, so each sample's loss is its own
-    with context or nullcontext():
+    with context or nullcontext(), torch.no_grad():  # no graph: nothing here is differentiated
         pair = _call(task, "loss_of", model, batch)
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(_is_number(v) for v in pair)):
             raise _contract_error("loss", pair, "a pair (loss_sum, n_targets) of numbers: the loss SUMMED")
