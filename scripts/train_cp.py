@@ -304,15 +304,16 @@ def cp_loss(task, layout: Layout, impl: str, device):
 
 
 def cp_forward_backward(
-    accelerator, model, micro_batches: list, n_global_targets, loss_of, grad_scale: int
+    accelerator, model, micro_batches: list, n_global_targets, loss_of, grad_scale: int, unsharded_accumulation=False
 ) -> torch.Tensor:
     """Forward and backward of this rank's slice of every sequence; returns its loss sum (its own tokens).
     `loss_of` (cp_loss's) gives the loss of this rank's tokens. The loss is divided by the global batch's
     target count; FSDP averages gradients over the dp x cp ranks, so it is scaled back by their number
-    (`grad_scale`): the gradient is that of (global loss sum / global targets)."""
+    (`grad_scale`): the gradient is that of (global loss sum / global targets). FSDP reduce-scatters every
+    micro-batch's gradients, as in train_fsdp.py; `unsharded_accumulation`: once, at the last."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for i, mb in enumerate(micro_batches):
-        if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
+        if unsharded_accumulation and isinstance(model, FSDPModule):  # FSDP's no_sync until the last
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with accelerator.autocast():  # Accelerate: autocast
             with loss_of(model, mb) as loss_sum:  # CP: the loss of this rank's tokens

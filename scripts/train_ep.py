@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import get_int_from_env, set_seed
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
@@ -230,11 +230,10 @@ def ep_forward_backward(accelerator, model, task, micro_batches: list, n_global_
     """Forward and backward of this rank's micro-batches (FSDP reduces every gradient, the experts'
     over the dp / ep groups); returns the loss sum (normalised by the target count of the whole
     global batch, as in train_fsdp.py). Then the MoE's expert bias moves towards balance, from the
-    token counts of the whole step (all micro-batches, all ranks), before the optimizer steps."""
+    token counts of the whole step (all micro-batches, all ranks), before the optimizer steps. FSDP
+    reduce-scatters every micro-batch's gradients, as in train_fsdp.py: a rank holds only its shards."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
-    for i, mb in enumerate(micro_batches):
-        if isinstance(model, FSDPModule):  # FSDP's no_sync: one reduce-scatter, after the last micro-batch
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+    for mb in micro_batches:
         with accelerator.autocast():  # Accelerate: autocast
             loss_sum, _ = task.loss_of(model, mb)  # the MoE layers' all-to-alls run inside
             accelerator.backward(loss_sum * dp_size / n_global_targets)  # Accelerate: backward

@@ -192,8 +192,8 @@ def check_model_args(args) -> None:
     if args.n_experts and (args.model_name_or_path or args.model_config):
         raise UsageError(
             f"--n_experts {args.n_experts} turns the built-in GPT's MLPs into experts, but a 🤗 model "
-            "(--model_name_or_path, --model_config) brings its own: drop --n_experts (train_ep.py trains the built-in "
-            "GPT only: train a 🤗 model with train_fsdp.py)"
+            "(--model_name_or_path, --model_config) brings its own, set in its config: drop --n_experts (train_ep.py "
+            "trains a 🤗 MoE family's experts as they are)"
         )
     if args.n_experts and not args.trains_moe:
         raise UsageError(
