@@ -23,10 +23,9 @@ Run it:
 Gradients reduce over dp x cp (CP ranks hold the same weights): FSDP shards over the flattened
 dp_shard x cp mesh, as torchtitan's dp_shard_cp. Data parallel beside CP shards the data by the dp
 coordinate only: every rank of a CP group reads the same samples. Lines marked `# CP:` are the
-strategy; `# Accelerate:` the library's part. The built-in GPT supports CP (Task.set_attention,
-Task.forward_at), and so do the 🤗 Llama-family models (through transformers' AttentionInterface).
---cp_impl torch (GPUs only) uses PyTorch's context_parallel over SDPA instead of the ring: untested
-here (docs/cp.md).
+strategy; `# Accelerate:` the library's part. Any model whose Task implements Task.set_attention and
+Task.forward_at trains under CP: the built-in GPT, the 🤗 families (through transformers'
+AttentionInterface), a model of your own (docs/your-model.md).
 """
 
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.distributed.fsdp import FSDPModule
 
@@ -55,17 +55,30 @@ from common.training import StepFeed, clip_grad_norm_, compile_units, make_optim
 from train_fsdp import apply_fsdp
 
 
-# ======================================== MODEL: what the CP ring carries (docs/your-model.md)
-def kv_width_and_layers(task) -> tuple[int, int]:
-    """The K/V width the ring carries (grouped KV heads travel repeated) and the layers: the ring's bytes."""
-    c = getattr(task, "hf_config", None)  # a 🤗 model's config; else the built-in GPT's
-    if c:
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return c.num_attention_heads * head_dim, c.num_hidden_layers
-    return task.cfg.n_embd, task.cfg.n_layer
-
-
 # ======================================== CP: the strategy
+def ring_carries(task, model, device) -> tuple[float, int]:
+    """What the ring carries, measured on the model through the contract alone (Task.set_attention,
+    Task.forward_at): one forward of 2 tokens with a recording attention in every layer gives the K/V width
+    as the attention receives it (heads x head_dim; grouped KV heads arrive repeated) and the layers that
+    call it. -> (width, layers), for the ring's bytes."""
+    widths = []
+
+    def recording_attention(q, k, v, dropout_p=0.0):
+        widths.append((k.shape[1] * k.shape[-1] + v.shape[1] * v.shape[-1]) / 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    was_training = model.training
+    model.eval()
+    task.set_attention(model, recording_attention)
+    try:
+        with torch.no_grad():
+            task.forward_at(model, torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device))
+    finally:
+        task.set_attention(model, None)
+        model.train(was_training)
+    return (widths[0] if widths else 0), len(widths)
+
+
 def head_tail_chunks(cp: int) -> list[list[int]]:
     """Which chunks of a sequence cut into 2 x cp each rank holds: rank r holds r and 2cp-1-r."""
     return [[r, 2 * cp - 1 - r] for r in range(cp)]
@@ -261,19 +274,10 @@ def ring_bytes_per_step(layout: Layout, batch_size: int, seq_len: int, width: in
     return {"forward": forward, "backward": backward}
 
 
-def torch_context_parallel(layout: Layout, buffers: list, seq_dims: list):
-    """--cp_impl torch: PyTorch's context_parallel shards `buffers` in place (its own head-tail order)
-    and swaps SDPA for its ring, on CUDA with the flash or efficient kernel (bf16). Untested here."""
-    from torch.distributed.tensor.experimental import context_parallel
-
-    return context_parallel(layout.sub("cp"), buffers=buffers, buffer_seq_dims=seq_dims)
-
-
-def cp_loss(task, layout: Layout, impl: str, device):
+def cp_loss(task, layout: Layout, device):
     """The loss of this rank's tokens of a micro-batch, `with loss(model, micro_batch) as loss_sum:`, a context
     its backward runs in (PyTorch's context_parallel must see both). Chosen once, for cp_forward_backward:
-    without CP the whole sequence; under the ring this rank's chunks (r and 2cp-1-r) at their real positions;
-    under --cp_impl torch the whole sequence, which context_parallel shards in place."""
+    without CP the whole sequence; under the ring this rank's chunks (r and 2cp-1-r) at their real positions."""
     if layout.cp == 1:
 
         @contextmanager
@@ -281,16 +285,6 @@ def cp_loss(task, layout: Layout, impl: str, device):
             yield task.loss_of(model, mb)[0]
 
         return whole_sequence_loss
-    if impl == "torch":
-
-        @contextmanager
-        def torch_cp_loss(model, mb):
-            ids, targets = task.inputs(mb)[0], task.next_token_targets(mb)
-            positions = torch.arange(ids.shape[1], device=ids.device)
-            with torch_context_parallel(layout, [ids, targets, positions], [1, 1, 0]):  # CP: shards in place
-                yield task.loss_at(model, ids, targets, positions)[0]
-
-        return torch_cp_loss
     # CP: this rank's tokens, at the same positions of every sequence (chunks r and 2cp-1-r), and their targets
     chunks = head_tail_chunks(layout.cp)[layout.cp_rank]
     positions = rank_positions(task.tokens_per_sample, chunks, 2 * layout.cp, device)
@@ -324,12 +318,12 @@ def cp_forward_backward(
 
 def cp_start_line(layout: Layout, args, seq_len: int, kv_shape) -> tuple[str, dict | None]:
     """What the run's first lines say of CP, and the ring's traffic per rank and optimizer step (the formula;
-    None without CP). `kv_shape`: the K/V width and the layers (the MODEL section's kv_width_and_layers)."""
+    None without CP). `kv_shape`: the K/V width and the layers (ring_carries)."""
     if layout.cp == 1:
         return "context parallel over 1 rank: nothing to cut, so the ring attention is not installed", None
     ring_formula = ring_bytes_per_step(layout, args.batch_size, seq_len, *kv_shape, args.gradient_accumulation_steps)
     cp_line = (
-        f"context parallel: {layout.cp} ranks per ring ({args.cp_impl}) x {layout.dp} data-parallel; each rank "
+        f"context parallel: {layout.cp} ranks per ring x {layout.dp} data-parallel; each rank "
         f"holds {seq_len // layout.cp} of the {seq_len} tokens (chunks r and {2 * layout.cp - 1}-r of "
         f"{2 * layout.cp}); ring traffic per rank and step: {ring_formula['forward'] / 2**20:.3f} MiB forward, "
         f"{ring_formula['backward'] / 2**20:.3f} MiB backward; FSDP over dp x cp = {layout.dp * layout.cp} ranks"
@@ -356,9 +350,9 @@ def check_cp_size(cp_size: int, n_processes: int) -> None:
         )
 
 
-def check_cp(layout: Layout, model, task, args, device_type: str) -> None:
+def check_cp(layout: Layout, model, task, args) -> None:
     """One line each: the model's Task can replace its attention, 2 x cp divides the sequence, no dropout
-    in the ring, nothing else that cuts the sequence, --cp_impl torch only on CUDA."""
+    in the ring, nothing else that cuts the sequence."""
     if layout.cp > 1:
         task.set_attention(model, None)  # a Task that cannot replace the model's attention says so here
     seq_len = task.tokens_per_sample
@@ -373,13 +367,6 @@ def check_cp(layout: Layout, model, task, args, device_type: str) -> None:
     if layout.cp > 1 and (layout.pp > 1 or sequence_parallel or loss_parallel):
         flag = "--pp_size" if layout.pp > 1 else "--sequence_parallel" if sequence_parallel else "--loss_parallel"
         raise UsageError(f"{flag} beside --cp_size is not supported yet (the ring cuts the sequence): drop one of them")
-    if getattr(args, "cp_impl", "ring") == "torch" and device_type != "cuda":
-        raise UsageError(
-            "--cp_impl torch: PyTorch's context_parallel intercepts only the CUDA SDPA kernels; on a CPU causal "
-            "attention fails ('aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding "
-            "strategy registered'; with the MATH backend 'aten.add.Tensor got mixed torch.Tensor and DTensor', "
-            "pytorch#147793): use --cp_impl ring (the default) on CPUs"
-        )
 
 
 def main():
@@ -391,12 +378,6 @@ def main():
         type=int,
         default=-1,
         help="ranks that cut each sequence between them: all processes (-1); the other factor is data parallel",
-    )
-    g.add_argument(
-        "--cp_impl",
-        choices=("ring", "torch"),
-        default="ring",
-        help="ring: the hand-written ring attention (CPU and GPU); torch: PyTorch's context_parallel (CUDA, bf16)",
     )
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/cp"
@@ -438,20 +419,20 @@ def main():
     model = model.to(accelerator.device)
     units = task.units(model)  # the repeated units: one FSDP unit each, --compile
     n_params, model_line = count_parameters(model), task.describe(model)
-    check_cp(layout, model, task, args, accelerator.device.type)  # CP: a model without them is refused, one line
-    kv_shape = kv_width_and_layers(task) if layout.cp > 1 else None  # CP: what the ring carries (above)
+    check_cp(layout, model, task, args)  # CP: a model without them is refused, one line
+    kv_shape = ring_carries(task, model, accelerator.device) if layout.cp > 1 else None  # CP: the ring's bytes
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- CP: the strategy
     attention = None
-    if layout.cp > 1 and args.cp_impl == "ring":  # CP: every attention layer becomes the ring over the CP group
+    if layout.cp > 1:  # CP: every attention layer becomes the ring over the CP group
         attention = apply_context_parallel(model, task, layout)
     if args.compile:
         compile_units(units, accelerator)
     if layout.world_size > 1:  # FSDP over dp_shard x cp: gradients reduce over both (CP ranks hold the same weights)
         apply_fsdp(units, [model], layout.fsdp_mesh, accelerator.mixed_precision)
-    loss_of = cp_loss(task, layout, args.cp_impl, accelerator.device)  # the loss of this rank's tokens
+    loss_of = cp_loss(task, layout, accelerator.device)  # the loss of this rank's tokens
     grad_scale = layout.dp * layout.cp  # FSDP averages the gradients over dp x cp ranks: the step scales back
 
     # ---------------------------------------- optimizer (after sharding: it sees the shards)

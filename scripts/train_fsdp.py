@@ -151,8 +151,8 @@ def main():
     from common.model import language_model
 
     model, task = language_model(args, data, on_meta=True)  # FSDP: a 🤗 model on meta, made below in shards
-    on_meta = any(p.is_meta for p in model.parameters())
-    model = model if on_meta else model.to(accelerator.device)
+    on_meta = any(p.is_meta for p in model.parameters())  # FSDP: a 🤗 model waits on meta for its shards
+    model = model if on_meta else model.to(accelerator.device)  # FSDP: only a model with weights moves now
     if args.n_experts:  # the MoE: before every optimizer step, the step's token counts move the expert bias
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -202,7 +202,7 @@ def main():
     fsdp_line = f"FSDP over {layout.dp_replicate} x {layout.dp_shard} ranks (replicas x shards)"
     fsdp_line += "" if len(units) else "; the Task names no units: the whole model is one FSDP unit"
     fsdp_line = fsdp_line if shard else "FSDP over 1 rank: nothing to shard, so fully_shard is not applied"
-    fsdp_line += "; each rank made only its shards of the weights (built on meta)" if on_meta and shard else ""
+    fsdp_line += "; each rank made only its shards of the weights (built on meta)" if on_meta and shard else ""  # FSDP
     unsharded = args.unsharded_accumulation and shard  # FSDP: whole gradients through the accumulation window
     window = {"grad_accum": grad_accum, "unsharded_accumulation": unsharded}  # FSDP: the costs say which
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)  # FSDP: + window

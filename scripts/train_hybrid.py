@@ -55,6 +55,7 @@ from train_cp import (
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import build_parser, check_core_args, data_source
 from common.costs import count_parameters
+from common.errors import UsageError
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
 from common.layout import Layout
@@ -130,11 +131,19 @@ def main():
     g.add_argument(
         "--activation_checkpointing", action="store_true", help="recompute each unit's activations in backward"
     )
+    whole = "FSDP: keep whole unsharded gradients through the accumulation window and reduce-scatter once at its "
+    whole += "last micro-batch: less communication, more memory (default: a reduce-scatter every micro-batch)"
+    g.add_argument("--unsharded_accumulation", action="store_true", help=whole)
     add_pipeline_args(parser)
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/hybrid"
     check_core_args(args)
     parse_pipeline_flags(args)
+    if args.unsharded_accumulation and args.pp_size > 1:
+        raise UsageError(
+            "--unsharded_accumulation: under --pp_size the pipeline schedule reduces the gradients once per "
+            "schedule step itself; drop it"
+        )
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
@@ -176,7 +185,7 @@ def main():
     if plan:
         check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model, flags
     check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
-    check_cp(layout, model, task, args, accelerator.device.type)  # CP: 2 x cp divides the sequence; not beside PP, SP
+    check_cp(layout, model, task, args)  # CP: 2 x cp divides the sequence; not beside PP, SP
     if layout.pp > 1:
         check_pipeline_layout(layout, len(units), args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
@@ -203,17 +212,20 @@ def main():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         apply_fsdp(units, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision, layout.pp == 1)
     dp_size, holds_loss = layout.dp, layout.holds_loss  # what the step functions below need, read once
+    unsharded = args.unsharded_accumulation and layout.dp * layout.cp > 1  # FSDP: whole gradients through the window
     if layout.pp > 1:  # PP: the schedule runs every micro-batch through the stages, forward and backward
         pipeline = PipelineStep(
             accelerator, layout, task, stages, args.schedule, args.n_microbatches, args.loss_parallel
         )
         forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
     elif layout.cp > 1:  # CP: each rank's slice of every sequence (TP rank 0 counts the loss); evaluation whole
-        loss_of = cp_loss(task, layout, "ring", accelerator.device)  # the loss of this rank's tokens
+        loss_of = cp_loss(task, layout, accelerator.device)  # the loss of this rank's tokens
         grad_scale = layout.dp * layout.cp  # FSDP averages the gradients over dp x cp ranks: the step scales back
 
         def forward_backward(micro_batches, n_global_targets):
-            loss_sum = cp_forward_backward(accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale)
+            loss_sum = cp_forward_backward(
+                accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale, unsharded
+            )
             return loss_sum if holds_loss else torch.zeros_like(loss_sum)
 
         predict = whole_sequence_predict(model, task, attention, layout)
@@ -230,6 +242,7 @@ def main():
                 args.loss_parallel,
                 dp_size,
                 holds_loss,
+                unsharded,
             )
 
         predict, eval_batch_size = None, args.eval_batch_size
@@ -271,7 +284,8 @@ def main():
         ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp * layout.cp > 1),
     )
     order = " -> ".join(name for name, on in applied if on) or "none (one process)"
-    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
+    window = {"grad_accum": args.gradient_accumulation_steps, "unsharded_accumulation": unsharded}
+    costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)
     monitor.start(task, model_line, n_params, data, [f"order: {order}", costs], resume_path, layout)
     pp_group = layout.group("pp")
 
@@ -306,7 +320,7 @@ def main():
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank: gathers the shards; one rank per stage sends its units
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
-    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, **window)
     monitor.summary(step, preempted=feed.preempted, **costs, **(pipeline.summary(args) if layout.pp > 1 else {}))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group

@@ -2,16 +2,21 @@
 the ring alone against SDPA; the attention blocks per rank; resume across cp degrees; bad input."""
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from test_bad_input import assert_refused
 
 from conftest import (
     REPO,
+    SCRIPTS,
     TINY,
+    assert_same_losses,
     free_port,
     job_env,
+    launch,
     launch_tiny,
     resume_matches,
     run_cmd,
@@ -127,19 +132,12 @@ def test_blocks_per_rank_with_and_without_head_tail(cp):
 
 
 def test_bad_input_is_refused_with_one_line(tmp_path, text_files, data_cache):
-    """cp not dividing the processes (one process asked for --cp_size 2), --cp_impl torch on a CPU, and a
-    sequence length that 2 x cp does not divide (254 tokens, cp 2: 4 chunks): one error line each, nothing
-    written."""
+    """cp not dividing the processes (one process asked for --cp_size 2), and a sequence length that 2 x cp
+    does not divide (254 tokens, cp 2: 4 chunks): one error line each, nothing written."""
     out = tmp_path / "run"
     common = [*TINY, *flags(text_files, 4), "--data_cache_dir", data_cache, "--output_dir", out]
-    cp2, torch_impl = run_refused(  # the one-process cases, in one interpreter
-        [("train_cp.py", [*common, "--cp_size", "2"]), ("train_cp.py", [*common, "--cp_impl", "torch"])]
-    )
+    (cp2,) = run_refused([("train_cp.py", [*common, "--cp_size", "2"])])  # one process, in this interpreter
     assert_refused(cp2, "--cp_size 2 does not divide the 1 processes", "use a --cp_size that divides 1")
-    result = torch_impl
-    assert_refused(  # PyTorch's context_parallel on a CPU: the two errors it would meet, and the fix
-        result, "does not have a sharding strategy registered", "pytorch#147793", "use --cp_impl ring"
-    )
     args = [*flags(text_files, 4), "--block_size", "254"]
     result = launch_tiny("train_cp.py", out, data_cache, *args, nproc=2, check=False)
     assert_refused(
@@ -148,3 +146,46 @@ def test_bad_input_is_refused_with_one_line(tmp_path, text_files, data_cache):
         "use a --block_size divisible by 4",
     )
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
+
+
+def test_a_model_of_your_own_needs_only_the_two_methods(tmp_path, data_cache):
+    """A copy of train_cp.py whose MODEL section builds a model of one's own (tests/cp_own_model/own_model.py:
+    no GPTConfig, no 🤗 config; its Task implements set_attention and forward_at, nothing else of CP):
+    cp 2 on 2 processes matches its one-process run within 1e-5, and the ring's bytes, measured from the
+    model through the contract, are the summary's."""
+    copy = tmp_path / "scripts"
+    shutil.copytree(SCRIPTS / "common", copy / "common")
+    shutil.copy(SCRIPTS / "train_fsdp.py", copy / "train_fsdp.py")  # its FSDP, which train_cp.py imports
+    shutil.copy(Path(__file__).with_name("cp_own_model") / "own_model.py", copy / "own_model.py")
+    text = (SCRIPTS / "train_cp.py").read_text()
+    line = "    model, task = language_model(args, data)\n"
+    assert text.count(line) == 1
+    (copy / "train_cp.py").write_text(
+        text.replace(line, "    from own_model import build\n\n    model, task = build(data)\n")
+    )
+    runs = {}
+    for nproc in (1, 2):
+        runs[nproc] = tmp_path / f"run{nproc}"
+        args = [
+            "--addition_digits",
+            "4",
+            "--max_steps",
+            "6",
+            "--batch_size",
+            "8",
+            "--eval_every",
+            "0",
+            "--log_every",
+            "1",
+        ]
+        launch(
+            str(copy / "train_cp.py"),
+            [*args, "--data_cache_dir", data_cache, "--output_dir", str(runs[nproc])],
+            nproc=nproc,
+        )
+    assert_same_losses(train_losses(runs[1]), train_losses(runs[2]), range(1, 7), 1e-5)
+    s = summary(runs[2])
+    assert (
+        s["ring_mib_per_step_rank"] == s["ring_formula_mib_per_step_rank"]
+        and s["ring_mib_per_step_rank"]["forward"] > 0
+    )

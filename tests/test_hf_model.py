@@ -1,30 +1,21 @@
-"""common/hf.py: 🤗 transformers causal LMs behind the model contract, offline, on tiny configs.
-
-One process, except the tensor-parallel check: this file is also the worker that torchrun starts on 2 CPU
-ranks (gloo), `python tests/test_hf_model.py --tp_worker CONFIG_DIR OUT`, which applies llama_tp_plan and
-compares loss and gradients with the unsplit model.
-"""
+"""common/hf.py: 🤗 transformers causal LMs behind the model contract, offline, on tiny configs, in one
+process: building, loading, the tokenizer, export, the errors a user can fix."""
 
 import argparse
-import copy
 import json
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import SCRIPTS, free_port, job_env, run_cmd
+from conftest import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))
 from common.errors import UsageError
 from common.hf import (
-    HFStage,
-    check_tp_divides,
-    drop_for_stage,
+    check_untied,
     hf_context_length,
-    llama_tp_plan,
     load_exported_hf,
     load_hf_model,
     load_tokenizer,
@@ -266,158 +257,21 @@ def test_a_hub_name_is_read_from_the_local_cache_only(tiny_tokenizer, tmp_path, 
         load_hf_model(flags("org/other"), SEQ, "text")
 
 
-# ---------------------------------------------------------------- pipeline stages
+# ---------------------------------------------------------------- tied embeddings
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_two_pipeline_stages_give_the_model_logits(configs, family):
-    model, task = build(configs[family])
-    ids, labels = batch()
-    full = model(ids).logits
-    full_names = {n for n, _ in model.named_parameters()}
-
-    # as on two ranks: each keeps only its part, and its parameters keep the full model's names
-    first, last = copy.deepcopy(model), copy.deepcopy(model)
-    drop_for_stage(first, {0}, is_first=True, is_last=False)
-    drop_for_stage(last, {1}, is_first=False, is_last=True)
-    assert first.lm_head is None and first.model.norm is None and last.model.embed_tokens is None
-    names0, names1 = ({n for n, _ in m.named_parameters()} for m in (first, last))
-    assert names0 | names1 == full_names and not names0 & names1
-    assert "model.layers.1.mlp.up_proj.weight" in names1
-    stage0 = HFStage(first, [0], is_first=True, is_last=False)
-    stage1 = HFStage(last, [1], is_first=False, is_last=True)
-    hidden = stage0(ids)
-    assert hidden.shape == (2, SEQ, 64)
-    logits = stage1(hidden)
-    assert torch.equal(logits, full)
-    # gradients flow through the chain as through the model
-    loss_sum, _ = task.loss(logits, labels)
-    loss_sum.backward()
-    ref_sum, _ = task.loss(full, labels)
-    ref_sum.backward()
-    ref = dict(model.named_parameters())
-    for name, p in [*first.named_parameters(), *last.named_parameters()]:
-        torch.testing.assert_close(p.grad, ref[name].grad, rtol=0, atol=1e-6, msg=name)
-
-
-# ---------------------------------------------------------------- tensor parallel: checks
-
-
-def test_tp_needs_divisible_kv_heads_and_untied_weights(configs, tmp_path):
-    model, _ = build(configs["llama"])
-    check_tp_divides(model, 2)
-    with pytest.raises(UsageError, match=r"--tp_size 4 does not divide the model's 2 key/value heads.*use --tp_size 2"):
-        check_tp_divides(model, 4)
-    tied = tmp_path / "tied"
+def test_tied_embeddings_are_refused_where_a_strategy_would_cut_them_apart(tmp_path):
+    """TP shards the head and the embedding apart, PP puts them on different stages: a tied pair is refused
+    in one line (check_untied), and --untie_embeddings starts the head as a copy of the embedding. (The
+    TP plans and the pipeline stages themselves: tests/test_hf_tp_plans.py, tests/test_hf_pp_stages.py.)"""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    tied = tmp_path / "tied"
     LlamaForCausalLM(LlamaConfig(**{**BASE, "vocab_size": 256, "tie_word_embeddings": True})).save_pretrained(tied)
     tied_model, _ = load_hf_model(flags(model_name_or_path=str(tied)), SEQ, "text")
-    with pytest.raises(UsageError, match="ties lm_head to embed_tokens"):
-        check_tp_divides(tied_model, 2)
-    with pytest.raises(UsageError, match="ties lm_head to embed_tokens"):
-        drop_for_stage(copy.deepcopy(tied_model), {0}, is_first=True, is_last=False)
+    with pytest.raises(UsageError, match="ties lm_head to embed_tokens.*--untie_embeddings"):
+        check_untied(tied_model, "tensor parallelism")
     untied, _ = load_hf_model(flags(model_name_or_path=str(tied), untie_embeddings=True), SEQ, "text")
     assert torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
-    check_tp_divides(untied, 2)
-
-
-def test_tp_plan_names_modules_that_exist(configs):
-    model, _ = build(configs["llama"])
-    modules = dict(model.named_modules())
-    for sp in (False, True):
-        plan = llama_tp_plan(model, sequence_parallel=sp, loss_parallel=False)
-        assert set(plan) <= set(modules), set(plan) - set(modules)
-    # a pipeline stage's model: a plan for its own parts only
-    drop_for_stage(model, {1}, is_first=False, is_last=True)
-    plan = llama_tp_plan(model, sequence_parallel=True, loss_parallel=True)
-    assert "model.embed_tokens" not in plan and not any(k.startswith("model.layers.0.") for k in plan)
-    assert "lm_head" in plan and "model.layers.1.self_attn" in plan
-
-
-# ---------------------------------------------------------------- tensor parallel: 2 ranks
-
-
-def test_tp_plan_on_two_ranks_matches_the_unsplit_model(tmp_path):
-    out = tmp_path / "tp.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        __file__,
-        "--tp_worker",
-        str(tmp_path / "configs"),
-        str(out),
-    ]
-    result = run_cmd(cmd, timeout=240, env=job_env())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    checked = json.loads(out.read_text())
-    assert len(checked) == sum(map(len, TP_CASES.values())) + len(TP_STAGES), checked
-    worst = max(checked, key=lambda r: r["max_diff"])
-    assert worst["max_diff"] <= 1e-5, worst
-
-
-def tp_worker(config_dir: Path, out: Path) -> None:
-    """On each of 2 ranks: every family x (sequence parallel, loss parallel): loss and every gradient of
-    the TP-split model against the unsplit one; and with SP, a 2-stage chain of HFStages over the
-    split model (activations cross as sequence slices) against the unsplit logits."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,))
-    if dist.get_rank() == 0:
-        write_configs(config_dir)
-    dist.barrier()
-    paths = {name: config_dir / f"{name}.json" for name in CONFIGS}
-    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
-    ids, labels = batch()
-    checked = []
-    for family, cases in TP_CASES.items():
-        ref, task = build(paths[family])
-        pristine = copy.deepcopy(ref)
-        ref_loss = mean_loss(task, ref, ids, labels)
-        ref_loss.backward()
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-        for sp, lp in cases:
-            model = copy.deepcopy(pristine)
-            check_tp_divides(model, 2)
-            parallelize_module(model, mesh, llama_tp_plan(model, sequence_parallel=sp, loss_parallel=lp))
-            assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
-            with loss_parallel() if lp else nullcontext():
-                loss = mean_loss(task, model, ids, labels)
-                loss.backward()
-            diffs = [(full(loss.detach()) - ref_loss.detach()).abs().item()]
-            for name, p in model.named_parameters():
-                # a DTensor gradient in full (a replicated weight's may be Partial: summed here, as the optimizer's
-                # DTensor ops do); a plain weight's, this rank's copy: it must be the whole gradient already
-                diffs.append((full(p.grad) - ref_grads[name]).abs().max().item())
-            checked.append({"case": f"{family} sp={sp} lp={lp}", "max_diff": max(diffs)})
-        if family not in TP_STAGES:
-            continue
-        # pipeline stages over a TP + SP model, on this TP group (both stages on every rank)
-        model = copy.deepcopy(pristine)
-        parallelize_module(model, mesh, llama_tp_plan(model, sequence_parallel=True, loss_parallel=False))
-        stage0 = HFStage(model, [0], is_first=True, is_last=False, sp_mesh=mesh)
-        stage1 = HFStage(model, [1], is_first=False, is_last=True, sp_mesh=mesh)
-        hidden = stage0(ids)
-        assert not isinstance(hidden, DTensor) and hidden.shape == (2, SEQ // 2, 64)  # this rank's slice
-        with torch.no_grad():
-            logits = stage1(hidden)
-            diff = (full(logits) - ref(ids).logits).abs().max().item()
-        checked.append({"case": f"{family} pipeline stages, sp", "max_diff": diff})
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(checked, indent=1))
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--tp_worker"]:
-    torch.set_num_threads(1)
-    tp_worker(Path(sys.argv[2]), Path(sys.argv[3]))
+    check_untied(untied, "tensor parallelism")

@@ -183,7 +183,8 @@ def test_pretrained_folder_trains_on_its_tokenizer(configs, data_cache, tmp_path
     """A local pretrained folder (saved here: a tiny Llama and a byte-level BPE trained on a few strings)
     trains on its tokenizer's ids, and its export carries the tokenizer. train_fsdp.py builds it on the
     meta device and each rank reads only its shards from the safetensors file (the untied head from the
-    tied embedding's tensor): the losses are those of train_ddp.py, which loads the model whole."""
+    tied embedding's tensor), and so does train_tp.py: the losses are those of train_ddp.py, which loads
+    the model whole."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
@@ -208,6 +209,10 @@ def test_pretrained_folder_trains_on_its_tokenizer(configs, data_cache, tmp_path
     assert "each rank made only its shards of the weights" in result.stdout  # built on meta, read in slices
     launch("train_ddp.py", [*flags, "--batch_size", "16", "--output_dir", str(one)], nproc=1)  # loaded whole
     assert_same_losses(train_losses(one), train_losses(out), STEPS, 1e-5)
+    tp = tmp_path / "tp"  # the TP shards, read in slices: rows of q/k/v, columns of o_proj, the vocabulary's rows
+    result = launch("train_tp.py", [*flags, "--batch_size", "16", "--output_dir", str(tp)], nproc=2)
+    assert "each rank made only its shards of the weights" in result.stdout
+    assert_same_losses(train_losses(one), train_losses(tp), STEPS, 1e-5)
     assert AutoTokenizer.from_pretrained(out / "model").vocab_size == tokenizer.vocab_size
 
 

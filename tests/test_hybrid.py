@@ -18,6 +18,7 @@ from conftest import (
 # one evaluation, at the end
 FLAGS = ["--n_layer", "4", "--max_steps", "10", "--addition_digits", "4", "--eval_batch_size", "64"]
 STEPS = list(range(1, 11))
+UNSHARDED = "--unsharded_accumulation"
 DEGREES = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}
 
 
@@ -36,14 +37,23 @@ def run_layout(nproc: int, layout: dict, flags: list[str], out, data_cache: str)
 @pytest.mark.parametrize(
     "nproc, layout, extra",
     [
-        (4, {"dp_shard": 2, "tp": 2}, ["--batch_size", "8", "--sequence_parallel"]),  # FSDP2 x TP2
-        (4, {"dp_replicate": 2, "dp_shard": 2}, ["--batch_size", "4"]),  # HSDP
+        # FSDP2 x TP2, 2 micro-batches: a reduce-scatter after each (gradients stay sharded)
+        (
+            4,
+            {"dp_shard": 2, "tp": 2},
+            ["--batch_size", "4", "--gradient_accumulation_steps", "2", "--sequence_parallel"],
+        ),
+        # HSDP, 2 micro-batches, --unsharded_accumulation: whole gradients through the window, one reduce-scatter
+        (4, {"dp_replicate": 2, "dp_shard": 2}, ["--batch_size", "2", "--gradient_accumulation_steps", "2", UNSHARDED]),
         (4, {"pp": 2, "tp": 2}, ["--batch_size", "16", "--dp_shard", "1", "--loss_parallel"]),  # PP2 x TP2
     ],
 )
 def test_layouts_match_single_process(nproc, layout, extra, reference, tmp_path, data_cache):
     out = tmp_path / "hybrid"
-    run_layout(nproc, layout, [*FLAGS, *extra], out, data_cache)
+    result = run_layout(nproc, layout, [*FLAGS, *extra], out, data_cache)
+    if "--gradient_accumulation_steps" in extra:  # the start line says how the window keeps the gradients
+        said = "unsharded gradients held through the 2" if UNSHARDED in extra else "gradients stay sharded through"
+        assert said in result.stdout
     ref = reference(*FLAGS, "--batch_size", "16")
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
     assert_same_evals(ref, out)

@@ -1,21 +1,11 @@
-"""🤗 transformers causal LMs (Llama, Qwen2, Mistral, Qwen3 ...) behind the model contract (task.py).
+"""🤗 transformers causal LMs of any family (Llama, Qwen3, Mistral, Gemma 3, Phi-3, GPT-NeoX, Mixtral,
+DeepSeek-V3, gpt-oss ...) behind the model contract (task.py).
 
 A script's MODEL section swaps the built-in GPT for a 🤗 model with `load_hf_model`; the strategies
-see only the Task. The parts they cut are named by the model:
-
-    LlamaForCausalLM                           (Qwen2/Mistral/Qwen3: the same tree)
-    ├── model
-    │   ├── embed_tokens  Embedding(vocab, d)  TP: vocab-parallel rows      PP: first stage only
-    │   ├── layers        ModuleList[L]        the units (FSDP, AC, compile); PP keeps its slice,
-    │   │     LlamaDecoderLayer                  the others become nn.Identity (names stay)
-    │   │       input_layernorm     RMSNorm    TP+SP: on a slice of the sequence
-    │   │       self_attn           q/k/v_proj column-wise (heads split), o_proj row-wise
-    │   │                           rotary (cos, sin) and the causal mask come in as keyword arguments
-    │   │       post_attention_layernorm
-    │   │       mlp                 gate/up_proj column-wise, down_proj row-wise
-    │   ├── norm          RMSNorm              PP: last stage only
-    │   └── rotary_emb    no parameters: cos/sin from the positions (every PP stage computes its own)
-    └── lm_head           Linear(d, vocab)     TP: column-wise (vocab-sharded logits for loss parallel)
+see only the Task and the model's own config. What each strategy reads of the model lives in its
+script: train_tp.py builds the TP plan from `config.base_model_tp_plan`, train_pp.py the stages from
+`config.base_model_pp_plan`, train_ep.py finds the experts from `config.base_model_ep_plan`. This
+file builds, loads, materialises and exports the model, and lets train_cp.py replace its attention.
 
 Two ways in, exactly one of them:
     --model_name_or_path  a pretrained model: a local folder (config.json + safetensors), or a hub name
@@ -24,7 +14,9 @@ Two ways in, exactly one of them:
                           config.json is read, or a model type ("llama", "qwen2") with small defaults.
                           Such models use the byte vocabulary of the built-in data (256 ids, no tokenizer).
 
-Models are built in fp32 with SDPA attention and no KV cache; the exported folder loads with
+Models are built in fp32 with SDPA attention (the family's eager attention where it has no SDPA) and
+no KV cache, on the meta device; their weights are made module by module (materialize_hf), whole on
+one rank or, after a strategy has cut the model, only each rank's part. The exported folder loads with
 `AutoModelForCausalLM.from_pretrained`.
 """
 
@@ -58,13 +50,6 @@ SMALL_DEFAULTS = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
-# Model types whose decoder layer and base-model forward are Llama's (same module names, rotary embeddings
-# passed to the layers, per-head q/k norms at most): the TP plan and the pipeline stage are checked on these.
-# Others (Gemma scales its embeddings, OLMo2 normalises q over all heads, Phi3 fuses qkv ...) would need
-# their own plan: refused there, not silently wrong. DDP and FSDP only call model(input_ids): any causal LM.
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-# layer type (config.layer_types) -> the transformers.masking_utils function that builds its mask
-MASK_KINDS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -411,7 +396,7 @@ def _check_causal_lm(config, what: str) -> None:
     if getattr(config, "is_encoder_decoder", False) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(
             f"{what}: model type {config.model_type!r} is not a decoder-only causal LM "
-            f"(AutoModelForCausalLM); use one such as {', '.join(LLAMA_FAMILY)}"
+            "(AutoModelForCausalLM); use one such as llama, qwen3, mistral, gemma3_text, phi3, mixtral"
         )
 
 
@@ -652,196 +637,3 @@ def _window(config) -> int | None:
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return getattr(config, "sliding_window", None)
-
-
-# ---------------------------------------------------------------- tensor parallel
-
-
-def check_family(model: nn.Module, strategy: str) -> None:
-    model_type = model.config.model_type
-    if model_type not in LLAMA_FAMILY:
-        raise UsageError(
-            f"{strategy} for 🤗 models has a plan for the Llama family ({', '.join(LLAMA_FAMILY)}), not for "
-            f"{model_type!r}: train it with train_ddp.py or train_fsdp.py"
-        )
-
-
-def check_tp_divides(model: nn.Module, tp: int) -> None:
-    """Column-wise q/k/v give each rank heads/tp query heads and kv_heads/tp key/value heads (attention
-    reshapes with view(..., -1, head_dim), so it runs on whatever it holds); gate/up give it intermediate/tp
-    columns, the embedding and lm_head vocab/tp rows. All must divide evenly."""
-    check_family(model, "--tp_size")
-    check_untied(model, "tensor parallelism")
-    c = model.config
-    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    sizes = [
-        ("attention heads (num_attention_heads)", c.num_attention_heads),
-        (f"key/value heads (num_key_value_heads; {c.num_attention_heads} query heads share them)", kv),
-        ("MLP columns (intermediate_size)", c.intermediate_size),
-        ("vocabulary rows (vocab_size)", c.vocab_size),
-    ]
-    for what, size in sizes:
-        if size % tp:
-            # the TP sizes that fit every split at once (and a fix for each process count: FSDP takes the rest)
-            fits = [d for d in range(2, 65) if all(n % d == 0 for _, n in sizes)]
-            fix = f"use --tp_size {' or '.join(map(str, fits[:4]))}" if fits else "train it without tensor parallelism"
-            raise UsageError(f"--tp_size {tp} does not divide the model's {size} {what}: {fix}")
-
-
-def llama_tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """Megatron's split of a Llama-family 🤗 model as a parallelize_module plan, keyed from the root
-    (model.layers.3.self_attn.q_proj); only for the parts this rank holds (PP: dropped parts are skipped).
-
-    Per layer: q/k/v and gate/up column-wise, o_proj and down_proj row-wise: one all-reduce after each
-    of attention and MLP in forward, one each at their inputs in backward. The layer calls self_attn
-    with keyword arguments (hidden_states=..., position_embeddings=(cos, sin), attention_mask=None), so
-    its input is prepared by keyword; the MLP is called positionally.
-
-    Sequence parallel (torchtitan's layout): between the row-wise outputs and the next column-wise inputs
-    the activations are sharded over the sequence (Shard(1)); the norms run on the slices; the all-reduces
-    become reduce-scatters plus all-gathers at the inputs of attention and MLP. Unlike torchtitan the
-    residual stream stays a DTensor (use_local_output=False): 🤗's model reads the sequence length off
-    the embeddings for the positions, rotary cos/sin and causal mask, and a DTensor reports the full
-    length; attention gets the all-gathered sequence, so the full-length cos/sin fit it."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    check_family(model, "--tp_size")
-    check_untied(model, "tensor parallelism")
-    seq = Shard(1)  # the sequence dimension of (batch, seq, hidden)
-    between = seq if sequence_parallel else Replicate()
-    local = not sequence_parallel  # SP: keep the residual stream a DTensor (see above)
-    plan: dict = {}
-    inner = model.model
-    if inner.embed_tokens is not None:  # vocab-parallel: each rank holds vocab/tp rows; partial sums reduced
-        plan["model.embed_tokens"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=between, use_local_output=local
-        )
-    for i, layer in enumerate(inner.layers):
-        if isinstance(layer, nn.Identity):  # another pipeline stage's layer
-            continue
-        p = f"model.layers.{i}"
-        plan.update(
-            {
-                # one replicated DTensor in (all-gathered under SP), shared by q, k and v: backward reduces its
-                # gradient once, not three times
-                f"{p}.self_attn": PrepareModuleInput(
-                    input_kwarg_layouts={"hidden_states": between},
-                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                ),
-                f"{p}.self_attn.q_proj": ColwiseParallel(),
-                f"{p}.self_attn.k_proj": ColwiseParallel(),
-                f"{p}.self_attn.v_proj": ColwiseParallel(),
-                f"{p}.self_attn.o_proj": RowwiseParallel(output_layouts=between, use_local_output=local),
-                f"{p}.mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-                f"{p}.mlp.gate_proj": ColwiseParallel(),
-                f"{p}.mlp.up_proj": ColwiseParallel(),
-                f"{p}.mlp.down_proj": RowwiseParallel(output_layouts=between, use_local_output=local),
-            }
-        )
-        if sequence_parallel:
-            plan[f"{p}.input_layernorm"] = SequenceParallel()
-            plan[f"{p}.post_attention_layernorm"] = SequenceParallel()
-        if getattr(layer.self_attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head's head_dim
-            # it sees this rank's heads only: as a norm sharded over the heads dimension of (B, T, heads, head_dim)
-            # its weight becomes a replicated DTensor whose gradient is summed over the group (a plain weight
-            # would get each rank's part of it); local output again, for the rotary embedding's plain cos/sin
-            for norm in ("q_norm", "k_norm"):
-                plan[f"{p}.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    if model.lm_head is not None:
-        if sequence_parallel:
-            plan["model.norm"] = SequenceParallel()
-        # loss parallel: logits stay sharded over the vocabulary; the loss is computed on the shards
-        plan["lm_head"] = ColwiseParallel(
-            input_layouts=between,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    return plan
-
-
-# ---------------------------------------------------------------- pipeline parallel
-
-
-def drop_for_stage(model: nn.Module, keep_layers: set[int], is_first: bool, is_last: bool) -> None:
-    """Keep only one pipeline stage's parts: the other layers become nn.Identity (the ModuleList keeps its
-    indices, so model.layers.7.mlp.up_proj.weight keeps its name and checkpoints move between layouts);
-    the embedding goes where not first, the final norm and lm_head where not last. rotary_emb stays: it
-    holds no parameters, and every stage computes its cos/sin."""
-    check_family(model, "--pp_size")
-    if not (is_first and is_last):
-        check_untied(model, "pipeline parallelism")
-    layers = model.model.layers
-    for i in range(len(layers)):
-        if i not in keep_layers:
-            layers[i] = nn.Identity()
-    if not is_first:
-        model.model.embed_tokens = None
-    if not is_last:
-        model.model.norm = None
-        model.lm_head = None
-
-
-class HFStage(nn.Module):
-    """One pipeline stage of a Llama-family 🤗 model: a view onto some of its layers (it owns nothing, so
-    parameter names and checkpoints are the model's). Input: token ids on the first stage, hidden states
-    (batch, seq, hidden) after; output: hidden states, or logits on the last stage.
-
-    It replays LlamaModel.forward for its slice: positions 0..T-1, rotary cos/sin from them, the causal
-    mask 🤗 builds (None under SDPA with no padding: attention runs is_causal=True), each layer called as
-    the model calls it. `sp_mesh` (TP with sequence parallel): activations cross stages as this rank's
-    sequence slice, re-wrapped as a Shard(1) DTensor on the way in."""
-
-    def __init__(self, model: nn.Module, layers, is_first: bool, is_last: bool, sp_mesh=None):
-        super().__init__()
-        check_family(model, "--pp_size")
-        inner = model.model
-        self.config = model.config
-        self.layer_ids = list(layers)
-        for i in self.layer_ids:
-            if isinstance(inner.layers[i], nn.Identity):
-                raise ValueError(f"layer {i} was dropped from this rank's model (drop_for_stage)")
-        self.embed_tokens = inner.embed_tokens if is_first else None
-        self.layers = nn.ModuleList(inner.layers[i] for i in self.layer_ids)
-        self.rotary_emb = inner.rotary_emb
-        self.norm, self.lm_head = (inner.norm, model.lm_head) if is_last else (None, None)
-        # which mask each layer gets, as the model's forward decides it: per layer type (Qwen2/3), or one for all
-        # layers, sliding-window if the config has a window (Mistral), else plain causal (Llama)
-        types = getattr(self.config, "layer_types", None)
-        one = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
-        self.layer_types = [types[i] for i in self.layer_ids] if types else [one] * len(self.layer_ids)
-        unknown = set(self.layer_types) - set(MASK_KINDS)
-        if unknown:
-            raise UsageError(f"--pp_size: layers of type {', '.join(sorted(unknown))} have no pipeline stage here")
-        self.sp_mesh = sp_mesh
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers import masking_utils
-
-        if self.embed_tokens is not None:
-            x = self.embed_tokens(x)
-        elif self.sp_mesh is not None:
-            from torch.distributed.tensor import DTensor, Shard
-
-            x = DTensor.from_local(x, self.sp_mesh, [Shard(1)], run_check=False)
-        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        # 🤗's own mask functions with the arguments the model passes (no padding mask, no cache): under SDPA
-        # they return None and attention runs is_causal=True; a window shorter than the sequence is a real mask
-        mask_args = {"config": self.config, "inputs_embeds": x, "attention_mask": None, "cache": None}
-        masks = {
-            kind: getattr(masking_utils, MASK_KINDS[kind])(**mask_args, position_ids=position_ids)
-            for kind in set(self.layer_types)
-        }
-        position_embeddings = self.rotary_emb(x, position_ids)
-        for layer, kind in zip(self.layers, self.layer_types, strict=True):
-            x = layer(x, attention_mask=masks[kind], position_embeddings=position_embeddings, position_ids=position_ids)
-        if self.lm_head is not None:
-            return self.lm_head(self.norm(x))
-        if self.sp_mesh is not None and hasattr(x, "to_local"):
-            x = x.to_local()  # only plain tensors cross stages: this rank's sequence slice
-        return x

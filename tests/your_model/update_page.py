@@ -72,7 +72,10 @@ def edit(script: str, text: str, data: str = DATA, model: str = MODEL) -> str:
     """The page's adaptation of `script`, as a recipe that survives changes around it."""
     text = replace_once(r"^    data = load_data\(.*\)\n", data, text, "the data line")
     text = replace_once(
-        r"(^    # .*\n)*^    model, task = language_model\(args, data\)\n", model, text, "the model line"
+        r"(^    # .*\n)*^    model, task = language_model\(args, data(?:, on_meta=True)?\)(?:  #.*)?\n",
+        model,
+        text,
+        "the model line",
     )
     if model is not MODEL:
         return text
