@@ -83,12 +83,42 @@ def peak_rss_per_rank(script: str, nproc: int, folder: Path, out: Path, env: dic
     return [round(x, 1) for x in ranks]
 
 
+def planned_mib(hidden: int, layers: int, nproc: int, folder: Path) -> dict:
+    """plan_layout.py's figures for the same model and run on `nproc` FSDP ranks, MiB per rank: the state
+    (weights, gradients, Adam) and the whole memory (plus FSDP's gathered units and the activations)."""
+    config = folder / f"plan_{hidden}x{layers}.json"
+    heads = max(1, hidden // 64)
+    config.write_text(
+        json.dumps(
+            {"model_type": "llama", "hidden_size": hidden, "intermediate_size": hidden * 8 // 3 // 64 * 64}
+            | {"num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads}
+            | {"max_position_embeddings": 128}
+        )
+    )
+    cmd = [sys.executable, "scripts/plan_layout.py", "--model_config", str(config), "--world_size", str(nproc)]
+    cmd += ["--pp_size", "1", "--dp_replicate", "1", "--dp_shard", str(nproc), "--tp_size", "1", "--batch_size", "2"]
+    cmd += ["--n_microbatches", "1", "--seq_len", "16", "--json"]
+    out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, check=True).stdout
+    record = json.loads(out.strip().splitlines()[-1])[0]
+    return {
+        "planned_state_mib_per_rank": round(record["state_bytes_per_rank_max"]["total_bytes"] / 2**20, 1),
+        "planned_memory_mib_per_rank": round(record["memory_bytes_per_rank_max"] / 2**20, 1),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--plan_only", action="store_true", help="add the planner's figures to the results file")
     args = parser.parse_args()
+    if args.plan_only:
+        results = json.loads(RESULTS.read_text())
+        with tempfile.TemporaryDirectory() as tmp:
+            add_plans(results, args, Path(tmp))
+        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+        return
     results = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         big, tiny = Path(tmp) / "big", Path(tmp) / "tiny"
@@ -114,9 +144,23 @@ def main():
             r["times_one_process_over_n"] = round(ratio, 2)
             print(f"{allocator}: train_fsdp.py x{r['processes']}: model part x N / one process's = ", end="")
             print(r["times_one_process_over_n"])
+    with tempfile.TemporaryDirectory() as tmp:
+        add_plans(results, args, Path(tmp))
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     print(f"written: {RESULTS.relative_to(REPO)}")
+
+
+def add_plans(results: dict, args, folder: Path) -> None:
+    """Beside each train_fsdp.py run, what plan_layout.py plans for it."""
+    for r in results["runs"]:
+        if r["script"] == "train_fsdp.py":
+            r.update(planned_mib(args.hidden, args.layers, r["processes"], folder))
+            print(
+                f"{r['allocator']}: train_fsdp.py x{r['processes']}: measured {r['model_mib_per_rank']} MiB, planned ",
+                end="",
+            )
+            print(f"state {r['planned_state_mib_per_rank']} MiB, memory {r['planned_memory_mib_per_rank']} MiB")
 
 
 if __name__ == "__main__":
