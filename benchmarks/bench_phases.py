@@ -23,7 +23,8 @@ from harness import REPO, one_process_mesh
 
 sys.path.insert(0, str(REPO / "scripts"))
 from common.model import GPT, GPTConfig
-from common.training import clip_grad_norm_, make_optimizer
+from common.sharded import clip_grad_norm_
+from common.training import make_optimizer
 from train_fsdp import apply_fsdp
 from train_tp import apply_tensor_parallel, tensor_parallel_plan
 

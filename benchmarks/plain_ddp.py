@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from common.builtin_flags import DEFAULT_CACHE_DIR
 from common.causal_lm import cross_entropy_sum
-from common.cli import DEFAULT_CACHE_DIR
 from common.data import _encode_addition, build_addition
 from common.model import GPT, GPTConfig
 

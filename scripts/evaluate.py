@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 
+from common.builtin_flags import SOURCE_DEFAULTS, add_data_args, check_data_args
 from common.causal_lm import logits_of
-from common.cli import SOURCE_DEFAULTS, SOURCE_KEYS, HelpFormatter, add_data_args, check_data_args
+from common.cli import SOURCE_KEYS, HelpFormatter
 from common.data import load_data
 from common.errors import UsageError
 from common.evaluation import evaluate

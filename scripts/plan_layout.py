@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from common.cli import HelpFormatter
-from common.costs import count_parameters, ddp_state_bytes
+from common.costs import count_parameters
 from common.errors import UsageError
 from common.launch import run_main
 from common.layout import DIMS, FLAGS, Layout
@@ -64,6 +64,7 @@ from common.pipeline import (
     stages_of_rank,
 )
 from common.presets import MODEL_PRESETS
+from common.sharded_costs import ddp_state_bytes
 from train_tp import tensor_parallel_plan
 
 GiB = 2**30

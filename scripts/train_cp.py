@@ -49,9 +49,10 @@ from common.launch import make_accelerator, run_main
 from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
+from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_task_contract
-from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 from train_fsdp import apply_fsdp
 
 
@@ -372,6 +373,9 @@ def check_cp(layout: Layout, model, task, args) -> None:
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__)
+    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+
+    add_builtin_flags(parser)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("context parallel")
     g.add_argument(
         "--cp_size",

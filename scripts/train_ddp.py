@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 import torch
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 
-from common.batchnorm import batchnorm_line, sync_batchnorm
+from common.batchnorm import batchnorm_line
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import build_parser, check_core_args, data_source
 from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
@@ -35,7 +35,7 @@ from common.launch import make_accelerator, run_main
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.task import check_task_contract
-from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 
 
 # ======================================== DDP: the strategy
@@ -62,7 +62,10 @@ SYNC_BATCHNORM_HELP = (
 
 def main():
     # ---------------------------------------- flags
-    parser = build_parser(__doc__, moe=True)  # the built-in GPT's experts: --n_experts ...
+    parser = build_parser(__doc__)
+    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+
+    add_builtin_flags(parser, moe=True)  # and the GPT's experts (--n_experts ...): drop both for your own
     g = parser.add_argument_group("data parallel")
     g.add_argument("--sync_batchnorm", action="store_true", help=SYNC_BATCHNORM_HELP)
     args = parser.parse_args()
@@ -101,7 +104,7 @@ def main():
 
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
-    if args.n_experts:  # the MoE: before every optimizer step, the step's token counts move the expert bias
+    if getattr(args, "n_experts", 0):  # the built-in MoE: each step's token counts move the expert bias
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         from common.moe import update_expert_bias
@@ -122,6 +125,8 @@ def main():
     # moves everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
     # DDP broadcasts rank 0's buffers (BatchNorm's running statistics) before every forward: one set for all.
     if args.sync_batchnorm and dp_size > 1:  # DDP: BatchNorm normalises over the global micro-batch
+        from common.sync_batchnorm import sync_batchnorm  # imported only by a run that asks for it
+
         sync_batchnorm(model, accelerator.device)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
@@ -149,7 +154,8 @@ def main():
             micro_batches, n_global_targets = feed.next_step()
             # DDP: forward and backward of each micro-batch; the gradient all-reduce runs inside the last backward
             loss_sum = ddp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
+            # Accelerate: the whole model's norm (fp16 gradients unscaled first); --max_grad_norm 0 only measures
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()

@@ -58,9 +58,10 @@ from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.moe import GroupedExperts, dropped_share, expert_load, local, moe_layers, update_expert_bias
+from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import local_bytes, sharded_start_line, sharded_summary
 from common.task import check_task_contract
-from common.training import StepFeed, clip_grad_norm_, make_optimizer, make_scheduler, shard_loader
+from common.training import StepFeed, make_optimizer, make_scheduler
 
 # ======================================== EP: the experts of the MODEL (the built-in GPT's, or a 🤗 family's)
 BUILT_IN_EXPERTS = 8  # --n_experts when a run names no model: the built-in GPT with 8 experts per MoE layer
@@ -83,7 +84,7 @@ def check_moe_flags(args, parser) -> bool:
             f"--{given[0]} shapes the built-in GPT's experts, but a 🤗 model (--model_name_or_path, --model_config) "
             "brings its own router and experts (its config: num_experts_per_tok, ...): drop --" + given[0]
         )
-    args.n_experts = 0  # the built-in GPT's: none (common/cli.py refuses experts for a 🤗 model)
+    args.n_experts = 0  # the built-in GPT's: none (common/builtin_flags.py refuses experts for a 🤗 model)
     return True
 
 
@@ -301,7 +302,10 @@ def check_ep_flags(args, world_size: int, hf_model: bool) -> int:
 
 def main():
     # ---------------------------------------- flags
-    parser = build_parser(__doc__, moe=True)  # the built-in GPT's experts: --n_experts ...
+    parser = build_parser(__doc__)
+    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+
+    add_builtin_flags(parser, moe=True)  # and the GPT's experts (--n_experts ...): drop both for your own
     parser.set_defaults(n_experts=None)  # EP: the built-in GPT's 8 experts, or a 🤗 model's own (check_moe_flags)
     g = parser.add_argument_group("expert parallel")
     g.add_argument("--ep_size", type=int, help="ranks the experts are cut over (default: all processes)")

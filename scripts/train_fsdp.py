@@ -33,7 +33,7 @@ import torch
 from accelerate.utils import set_seed
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.batchnorm import batchnorm_line, sync_batchnorm
+from common.batchnorm import batchnorm_line
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import build_parser, check_core_args, data_source
 from common.costs import count_parameters
@@ -43,9 +43,10 @@ from common.launch import make_accelerator, run_main
 from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
+from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_task_contract
-from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 
 
 # ======================================== FSDP: the strategy
@@ -103,7 +104,10 @@ def fsdp_forward_backward(
 
 def main():
     # ---------------------------------------- flags
-    parser = build_parser(__doc__, moe=True)  # the built-in GPT's experts: --n_experts ...
+    parser = build_parser(__doc__)
+    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+
+    add_builtin_flags(parser, moe=True)  # and the GPT's experts (--n_experts ...): drop both for your own
     g = parser.add_argument_group("fully sharded data parallel")
     g.add_argument("--dp_replicate", type=int, default=1, help="HSDP: replicate over N groups, shard inside each")
     reshard = "ZeRO-3: free each unit's gathered weights after forward (--no-reshard_after_forward: ZeRO-2 like)"
@@ -153,7 +157,7 @@ def main():
     model, task = language_model(args, data, on_meta=True)  # FSDP: a 🤗 model on meta, made below in shards
     on_meta = any(p.is_meta for p in model.parameters())  # FSDP: a 🤗 model waits on meta for its shards
     model = model if on_meta else model.to(accelerator.device)  # FSDP: only a model with weights moves now
-    if args.n_experts:  # the MoE: before every optimizer step, the step's token counts move the expert bias
+    if getattr(args, "n_experts", 0):  # the built-in MoE: each step's token counts move the expert bias
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         from common.moe import update_expert_bias
@@ -170,6 +174,8 @@ def main():
     if args.compile:
         compile_units(units, accelerator)  # after activation checkpointing, before fully_shard
     if args.sync_batchnorm and dp_size > 1:  # FSDP: BatchNorm normalises over the global micro-batch
+        from common.sync_batchnorm import sync_batchnorm  # imported only by a run that asks for it
+
         sync_batchnorm(model, accelerator.device, layout.group("dp"))
     shard = dp_size > 1 or args.cpu_offload  # one rank has nothing to shard (torchtitan's rule: docs/fsdp.md)
     if shard:  # FSDP: shard every unit, then the root

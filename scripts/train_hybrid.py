@@ -62,17 +62,10 @@ from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.pipeline import add_pipeline_args, check_pipeline_layout, parse_pipeline_flags
+from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_task_contract
-from common.training import (
-    StepFeed,
-    clip_grad_norm_,
-    compile_units,
-    make_optimizer,
-    make_scheduler,
-    shard_loader,
-    unit_modules,
-)
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
 from train_fsdp import apply_activation_checkpointing, apply_fsdp
 from train_pp import PipelineStep, split_pipeline, stage_modules
 from train_tp import apply_tensor_parallel, check_tp_flags, check_tp_plan, model_tp_plan, tp_forward_backward
@@ -117,6 +110,9 @@ class SequenceSliceStage(torch.nn.Module):
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__)
+    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+
+    add_builtin_flags(parser)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("layout (the product must equal the number of processes; one may be -1: inferred)")
     g.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     g.add_argument("--dp_replicate", type=int, default=1, help="data-parallel replicas (HSDP: replicate across them)")

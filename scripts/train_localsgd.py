@@ -51,7 +51,7 @@ import torch
 from accelerate import DistributedType
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
-from common.batchnorm import average_running_stats, batchnorm_line, running_stats, sync_batchnorm
+from common.batchnorm import average_running_stats, batchnorm_line, running_stats
 from common.checkpoint import (
     check_resume_and_output,
     export_model,
@@ -65,11 +65,12 @@ from common.collectives import CollectiveCounter
 from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
 from common.errors import UsageError
 from common.evaluation import evaluate
-from common.launch import launcher_sharding, make_accelerator, run_main
+from common.launch import make_accelerator, run_main
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
+from common.sharded import launcher_sharding
 from common.task import check_task_contract
-from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, unit_modules
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
 
 
 # ======================================== Local SGD and DiLoCo: the strategy
@@ -319,6 +320,9 @@ def replicas(accelerator, replica_sync: ReplicaSync, fused: list[int]) -> dict:
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__)
+    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+
+    add_builtin_flags(parser)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("Local SGD")
     g.add_argument(
         "--sync_every", type=int, default=8, help="average the parameters every K optimizer steps (and at the end)"
@@ -411,6 +415,8 @@ def main():
             f"use --fragments {max(1, len(units))} or fewer"
         )
     if args.sync_batchnorm and dp_size > 1:  # BatchNorm normalises over the global micro-batch
+        from common.sync_batchnorm import sync_batchnorm  # imported only by a run that asks for it
+
         sync_batchnorm(model, accelerator.device)
     fragments = split_fragments(model, units, args.fragments)
     # Accelerate: wraps the model in DistributedDataParallel (kept in no_sync below), moves everything to
@@ -462,7 +468,8 @@ def main():
             micro_batches, n_global_targets = feed.next_step()
             # Local SGD: forward and backward of each micro-batch; the gradients stay on this rank
             loss_sum = local_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # Local SGD: this replica's own norm
+            # Local SGD: this replica's own norm (Accelerate unscales fp16 gradients first)
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()

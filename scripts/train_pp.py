@@ -65,16 +65,9 @@ from common.pipeline import (
     stage_layers,
     stages_of_rank,
 )
+from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
-from common.training import (
-    StepFeed,
-    clip_grad_norm_,
-    compile_units,
-    make_optimizer,
-    make_scheduler,
-    shard_loader,
-    unit_modules,
-)
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
 
 
 # ======================================== MODEL: how one pipeline stage of the model runs (docs/your-model.md)
@@ -463,6 +456,9 @@ class PipelineStep:
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__)
+    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+
+    add_builtin_flags(parser)  # data and a model of your own: drop these two lines
     g = add_pipeline_args(parser)  # PP: the "pipeline parallel" flag group (common/pipeline.py), and one more
     pp_help = "pipeline ranks: every process (-1, or the number of processes); pipelines trained data parallel "
     g.add_argument("--pp_size", type=int, default=-1, help=pp_help + "are train_hybrid.py's (--pp_size N --dp_shard M)")

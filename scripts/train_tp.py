@@ -64,9 +64,10 @@ from common.launch import make_accelerator, run_main
 from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
+from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_task_contract
-from common.training import StepFeed, clip_grad_norm_, compile_units, make_optimizer, make_scheduler, shard_loader
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 
 
 # ======================================== MODEL: the TP plan, {module name: style} (docs/your-model.md)
@@ -627,6 +628,9 @@ def tp_start_lines(model: nn.Module, plan: dict, layout: Layout, args, seq_len: 
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__)
+    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+
+    add_builtin_flags(parser)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("tensor parallel")
     g.add_argument(
         "--tp_size",

@@ -15,7 +15,7 @@ from conftest import REPO, TINY, free_port, launch, read_metrics
 
 sys.path.insert(0, str(REPO / "scripts"))
 import common.data
-from common.cli import add_data_args
+from common.builtin_flags import add_data_args
 from common.data import build_addition, hub_unreachable, load_data
 from common.errors import UsageError
 

@@ -138,9 +138,13 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
     """Every deletion of a checkpoint happens while a newer complete one exists; a save that dies
     while writing leaves the previous checkpoint readable; the next save clears its leftovers."""
     accelerator, model, optimizer, scheduler = one_process_run()
-    save = lambda step: checkpoint.write_checkpoint(  # noqa: E731
-        accelerator, model, optimizer, scheduler, state(step), tmp_path, keep_last=1
-    )
+    args = SimpleNamespace(output_dir=tmp_path, keep_last=1)
+
+    def save(step: int):
+        facts = {k: v for k, v in state(step).items() if k not in ("step", "epoch", "samples_in_epoch")}
+        feed = SimpleNamespace(position=lambda: {"epoch": 0, "samples_in_epoch": 0}, dp_group=None)
+        return checkpoint.save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
+
     save(5)
     deleted = []
     real_rmtree = checkpoint.shutil.rmtree

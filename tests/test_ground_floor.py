@@ -75,6 +75,7 @@ OWN_DATA = """\
     train, validation = TensorDataset(x[:2048], y[:2048]), TensorDataset(x[2048:], y[2048:])  # rows (x, y)
     data = SimpleNamespace(train=train, validation=validation, name="synthetic regression")
 """
+BUILTIN_FLAGS = r"^    from common\.builtin_flags import add_builtin_flags.*\n\n    add_builtin_flags\(.*\n"
 OWN_MODEL = """\
     from regression import RegMLP, RegressionTask  # your model and its Task: regression.py, beside this copy
 
@@ -92,8 +93,9 @@ def regression_module() -> str:
 
 def own_model_copy(folder: Path) -> Path:
     """train_ddp.py and common/ copied side by side, regression.py beside them; the copy's data section
-    makes the regression's data (everything between the data marker and the train loader), and its MODEL
-    section the regression's model and Task (everything between set_seed and `model.to`)."""
+    makes the regression's data (everything between the data marker and the train loader), its MODEL
+    section the regression's model and Task (everything between set_seed and `model.to`), and its flags
+    section drops the built-in data sets' and models' flags (the two add_builtin_flags lines)."""
     folder.mkdir(parents=True)
     shutil.copytree(SCRIPTS / "common", folder / "common", ignore=shutil.ignore_patterns("__pycache__"))
     (folder / "regression.py").write_text(regression_module())
@@ -103,6 +105,8 @@ def own_model_copy(folder: Path) -> Path:
     seed = next(i for i in range(loader, len(lines)) if lines[i].strip().startswith("set_seed(args.seed)"))
     to_device = next(i for i in range(seed, len(lines)) if "model = model.to(accelerator.device)" in lines[i])
     text = "".join([*lines[: data + 1], OWN_DATA, *lines[loader : seed + 1], OWN_MODEL, *lines[to_device:]])
+    text, n = re.subn(BUILTIN_FLAGS, "", text, flags=re.M)  # the built-in data sets' and models' flags: not its
+    assert n == 1, "train_ddp.py's flags section: no add_builtin_flags lines to drop"
     (folder / "train_ddp.py").write_text(text)
     return folder / "train_ddp.py"
 
@@ -123,11 +127,6 @@ def test_own_model_copy_imports_no_built_in_model(own_model_run):
     assert not built_in, f"the copy for a model of one's own imports {built_in}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 29's goal is not reached yet: the copy carries ~2,110 lines (checkpoint 477, metrics 287, "
-    "task 276, cli 264, training 241, launch 216, batchnorm 141 ...); drop this mark once it passes",
-)
 def test_own_model_copy_carries_at_most_1500_lines(own_model_run, record_property):
     record_property("common_lines", own_model_run["lines"])
     assert own_model_run["lines"] <= OWN_MODEL_MAX_LINES, (

@@ -125,12 +125,14 @@ def train(folder: Path, script: str, nproc: int, out: str) -> Path:
 
 def edits_outside_sections(before: str, after: str) -> list[str]:
     """The lines of `before` that `after` removes or changes, or inserts after, outside the sections
-    a user edits (from a `# ---- data` / `# ---- MODEL` / `# ==== MODEL` marker to the next marker)."""
+    a user edits (from a `# ---- data` / `# ---- MODEL` / `# ==== MODEL` marker to the next marker) and
+    the flags section's two lines that add the built-in data sets' and models' flags (add_builtin_flags)."""
     before_lines, section, editable = before.splitlines(), None, []
-    for line in before_lines:
+    for n, line in enumerate(before_lines):
         marker = SECTION.match(line)
         section = marker.group(1) if marker else section
-        editable.append(section in EDITABLE)
+        builtin_flags = "add_builtin_flags" in line or (not line.strip() and "add_builtin_flags" in before_lines[n - 1])
+        editable.append(section in EDITABLE or builtin_flags)
     outside = []
     matcher = difflib.SequenceMatcher(a=before_lines, b=after.splitlines(), autojunk=False)
     for tag, i1, i2, _, _ in matcher.get_opcodes():

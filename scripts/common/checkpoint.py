@@ -12,15 +12,10 @@
     OUTPUT_DIR/model/        model.safetensors + config.json (+ data.json: which data it learned,
                              + task.json: where a Task of the user's own lives, for evaluate.py)
 
-A checkpoint is written to `checkpoints/.tmp_step_<N>` and renamed when every rank has written
-its part; only then are older ones deleted (`--keep_last`). So a save killed at any moment leaves
-the previous complete checkpoint, and `latest`/`auto` never pick a partial one
-(docs/fault-tolerance.md, "A kill in the middle of a save"). A resume first checks every file
-against the sizes and digests trainer_state.json records, so a damaged file is one line naming it
-before anything is loaded or written. All ranks must call
-save/load/export: they are collectives (docs/troubleshooting.md, "A hang when saving"); only file
-writes that need one writer are the main process's. Checkpoints and `model/` need a file system
-shared by all machines.
+A save is written to `checkpoints/.tmp_step_<N>` and renamed once complete, so a kill at any moment
+leaves the previous checkpoint (docs/fault-tolerance.md). A resume checks every file against
+trainer_state.json first: a damaged one is one line. Save, load and export are collectives: every
+rank calls them. Checkpoints and `model/` need a file system shared by all machines.
 """
 
 from __future__ import annotations
@@ -39,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from accelerate.utils import gather_object
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -73,11 +69,10 @@ def list_checkpoints(output_dir) -> list[Path]:
 def resolve_checkpoint(arg: str | None, output_dir) -> Path | None:
     if arg is None:
         return None
+    found = list_checkpoints(output_dir) if arg in ("auto", "latest") else None
     if arg == "auto":  # restarts and requeued jobs: resume if there is a complete checkpoint, else start
-        found = list_checkpoints(output_dir)
         return found[-1] if found else None
     if arg == "latest":
-        found = list_checkpoints(output_dir)
         if not found:
             raise UsageError(
                 f"--resume_from_checkpoint latest: no checkpoint in {_checkpoints_dir(output_dir)}"
@@ -116,34 +111,24 @@ def _file_record(path: Path) -> dict:
 
 def _on_every_rank(mine: dict) -> dict:
     """The union of every rank's dict (each rank reads its share of the files: the work is spread)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return mine
-    every_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, mine)
-    return {k: v for part in every_rank for k, v in part.items()}
+    return {k: v for part in gather_object([mine]) for k, v in part.items()}  # Accelerate: all ranks' dicts
 
 
 def _my_share(names: list[str]) -> list[str]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return names
-    return sorted(names)[dist.get_rank() :: dist.get_world_size()]
+    return sorted(names)[torch.distributed.get_rank() :: torch.distributed.get_world_size()]
 
 
 def record_checkpoint_files(tmp: Path) -> dict:
-    """Collective, once every rank has written its files: {relative path: {bytes, sha256}} of every file
-    of the checkpoint being written (trainer_state.json, written after it, holds the record)."""
+    """Collective: {relative path: {bytes, sha256}} of every file written (trainer_state.json keeps it)."""
     names = [p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != STATE_FILE]
     return dict(sorted(_on_every_rank({name: _file_record(tmp / name) for name in _my_share(names)}).items()))
 
 
 def check_checkpoint_files(path: Path, state: dict) -> None:
-    """Collective: every file the checkpoint wrote is there, of the size and sha256 recorded when it was
-    written (trainer_state.json's "files"; checkpoints written before it was recorded are not checked).
-    Every rank checks its share, and every rank raises the same line, before anything is loaded."""
+    """Collective: every file is there, of the size and sha256 recorded when it was written. Every rank
+    checks its share, and every rank raises the same line, before anything is loaded."""
     recorded = state.get("files")
     if not recorded:
         return
@@ -169,14 +154,8 @@ def check_checkpoint_files(path: Path, state: dict) -> None:
     )
 
 
-def parameter_shapes(model) -> dict[str, list[int]]:
-    """Name and shape of every parameter of the full model (before any strategy cuts it)."""
-    return {name: list(p.shape) for name, p in model.named_parameters()}
-
-
 def check_compatible(state: dict, path: Path, shapes: dict, global_batch_size: int, world_size: int) -> None:
-    """The checkpoint's model must be this model: the same parameter names and shapes (the first
-    difference is named), and the same global batch."""
+    """The checkpoint's model must be this model (the first difference is named), at the same global batch."""
     saved = state["param_shapes"]
     difference = next(
         (
@@ -204,41 +183,17 @@ def check_compatible(state: dict, path: Path, shapes: dict, global_batch_size: i
         )
 
 
-def prepare_output_dir(output_dir, resuming: bool, overwrite: bool) -> None:
-    """Refuse to start a new run on top of another (its metrics and checkpoints would be lost)."""
-    out = Path(output_dir)
-    holds_run = (out / "metrics.jsonl").exists() or _checkpoints_dir(out).exists()
-    if holds_run and not resuming and not overwrite:
-        raise UsageError(
-            f"--output_dir {out} already holds a run"
-            ": continue it with --resume_from_checkpoint latest"
-            ", start over with --overwrite_output_dir, or choose another --output_dir"
-        )
-
-
-def clear_output_dir(output_dir) -> None:
-    """`--overwrite_output_dir`: remove the old run's metrics, checkpoints and model (main process)."""
-    out = Path(output_dir)
-    for name in ("metrics.jsonl", "checkpoints", "model"):
-        path = out / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
 def check_resume_and_output(
     accelerator, args, model, task, global_batch_size: int, layout=None
 ) -> tuple[Path | None, dict]:
-    """Before anything is written (and before the model is cut): find and check the checkpoint to
-    resume (if any), refuse to start a new run on top of an old one, and clear the old run on
-    --overwrite_output_dir. Returns the checkpoint directory to resume from (or None), and the facts
-    every checkpoint of this run records besides the tensors (what a resume must match)."""
+    """Before anything is written: find and check the checkpoint to resume, refuse to start a run on top
+    of another, clear it on --overwrite_output_dir. Returns the checkpoint (or None) and the facts every
+    checkpoint of this run records besides the tensors (what a resume must match)."""
     facts = {
         "global_batch_size": global_batch_size,
         "world_size": accelerator.num_processes,
         "seed": args.seed,
-        "param_shapes": parameter_shapes(model),
+        "param_shapes": {name: list(p.shape) for name, p in model.named_parameters()},  # before any cut
         "model_config": task.config(),
         **({"layout": layout.describe()} if layout is not None else {}),
     }
@@ -254,14 +209,19 @@ def check_resume_and_output(
             )
     # `auto` without a checkpoint starts over: what an earlier attempt wrote before its first
     # checkpoint is replaced, as with --overwrite_output_dir
-    fresh_auto = args.resume_from_checkpoint == "auto" and resume_path is None
-    overwrite = args.overwrite_output_dir or fresh_auto
-    prepare_output_dir(args.output_dir, resuming=resume_path is not None, overwrite=overwrite)
+    overwrite = args.overwrite_output_dir or (args.resume_from_checkpoint == "auto" and resume_path is None)
+    out = Path(args.output_dir)
+    if ((out / "metrics.jsonl").exists() or _checkpoints_dir(out).exists()) and not resume_path and not overwrite:
+        raise UsageError(  # a new run on top of another would lose its metrics and checkpoints
+            f"--output_dir {out} already holds a run: continue it with --resume_from_checkpoint latest, start over "
+            "with --overwrite_output_dir, or choose another --output_dir"
+        )
     if args.resume_from_checkpoint == "auto":
         found = f"resuming from {resume_path}" if resume_path else "no complete checkpoint, starting from step 0"
         accelerator.print(f"--resume_from_checkpoint auto: {found}")
-    if overwrite and not resume_path and accelerator.is_main_process:
-        clear_output_dir(args.output_dir)
+    if overwrite and not resume_path and accelerator.is_main_process:  # the old run's files go
+        for path in (out / "metrics.jsonl", out / "checkpoints", out / "model"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     accelerator.wait_for_everyone()
     return resume_path, facts
 
@@ -271,10 +231,8 @@ def _unwrap_optimizer(optimizer):
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
 
 
 def _set_rng_state(state: dict) -> None:
@@ -297,32 +255,12 @@ def save_checkpoint(
     per_rank_state: bool = False,
     extra_state: dict | None = None,
 ) -> Path:
-    """Collective: call on every rank. Saves the step, the data position (`feed.position()`) and
-    the run's `facts` (check_resume_and_output) beside the tensors. `per_rank_state`: every rank
-    writes its whole model and optimizer state to state/rank_<r> (Local SGD, whose replicas differ
-    between fusions). `extra_state`: a strategy's own state, the same on every rank (DiLoCo's outer
-    optimizer), written by the main process to extra_state.pt; load_extra_state reads it back.
-    BatchNorm's running statistics are averaged over the data-parallel ranks first (common/batchnorm.py):
-    every rank saves, and a resume loads, one set."""
+    """Collective. Saves the step, the data position and the run's `facts` beside the tensors.
+    `per_rank_state`: each rank writes its own replica to state/rank_<r> (Local SGD, between fusions).
+    `extra_state`: a strategy's own state, the same on every rank (DiLoCo's outer optimizer).
+    BatchNorm's running statistics are averaged over the data-parallel ranks first: one set is saved."""
     average_running_stats(model, feed.dp_group)
-    state = {"step": step, **feed.position(), **facts}
-    return write_checkpoint(
-        accelerator, model, optimizer, scheduler, state, args.output_dir, args.keep_last, per_rank_state, extra_state
-    )
-
-
-def write_checkpoint(
-    accelerator,
-    model,
-    optimizer,
-    scheduler,
-    trainer_state: dict,
-    output_dir,
-    keep_last: int,
-    per_rank_state: bool = False,
-    extra_state: dict | None = None,
-) -> Path:
-    """save_checkpoint's writing part: `trainer_state` is what trainer_state.json records."""
+    trainer_state, output_dir = {"step": step, **feed.position(), **facts}, args.output_dir
     root = _checkpoints_dir(output_dir)
     final = root / f"step_{trainer_state['step']}"
     tmp = root / f".tmp_step_{trainer_state['step']}"
@@ -346,17 +284,15 @@ def write_checkpoint(
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        publish_checkpoint(tmp, final, output_dir, keep_last)
+        publish_checkpoint(tmp, final, output_dir, args.keep_last)
     accelerator.wait_for_everyone()
     return final
 
 
 @contextmanager
 def _each_rank_alone(per_rank_state: bool):
-    """Per-rank state (Local SGD): every rank saves and loads its own replica in a folder of its own,
-    without collectives (`no_dist=True`), on purpose. DCP then warns "torch.distributed is disabled ...
-    assuming the intent is to save in a single process", which is wrong on a multi-process run: that
-    warning, and only it, is silenced here."""
+    """Per-rank state (Local SGD) is saved without collectives (`no_dist=True`), on purpose: DCP's warning
+    that it assumes "a single process" is wrong here, and only it is silenced."""
     with warnings.catch_warnings():
         if per_rank_state:
             warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninit")
@@ -364,8 +300,7 @@ def _each_rank_alone(per_rank_state: bool):
 
 
 def publish_checkpoint(tmp: Path, final: Path, output_dir, keep_last: int) -> None:
-    """Rename a complete save into place, then delete what it replaces: a kill at any moment leaves
-    the newest complete checkpoint there. Main process, after every rank finished writing."""
+    """Main process: rename a complete save into place, then delete what it replaces (--keep_last)."""
     replaced = final.with_name(f".old_{final.name}")
     if final.exists():  # the same step saved before (a run resumed from an older checkpoint)
         os.replace(final, replaced)
@@ -379,8 +314,8 @@ def publish_checkpoint(tmp: Path, final: Path, output_dir, keep_last: int) -> No
 
 
 def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler) -> dict:
-    """Collective: restores model, optimizer, scheduler and RNG in place; returns trainer_state
-    (where the run stands). No path: a fresh start, at step 0 of epoch 0."""
+    """Collective: restores model, optimizer, scheduler and RNG in place; returns where the run stands
+    (no path: step 0)."""
     if path is None:
         return {"step": 0, "epoch": 0, "samples_in_epoch": 0}
     state = json.loads((path / STATE_FILE).read_text())
@@ -396,12 +331,9 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
             f"--resume_from_checkpoint {path}: the model/optimizer state cannot be read"
             f" ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the checkpoint is damaged"
         ) from None
+    model_sd, optim_sd = to_load["model"], to_load["optim"]  # what DCP loaded (it may replace non-tensor values)
     set_state_dict(
-        model,
-        _unwrap_optimizer(optimizer),
-        model_state_dict=to_load["model"],
-        optim_state_dict=to_load["optim"],
-        options=OPTIONS,
+        model, _unwrap_optimizer(optimizer), model_state_dict=model_sd, optim_state_dict=optim_sd, options=OPTIONS
     )
     scheduler.load_state_dict(_load_small_file(path, "scheduler.pt", weights_only=False))
     # Another layout may group the parameters differently (one optimizer group per kind of
@@ -419,16 +351,14 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
 
 
 def load_extra_state(path: Path | None) -> dict | None:
-    """The `extra_state` that save_checkpoint wrote into the checkpoint at `path` (None: no path, or
-    none saved). Every rank reads the same file."""
+    """The `extra_state` save_checkpoint wrote at `path` (None: none)."""
     if path is None or not (path / EXTRA_STATE_FILE).is_file():
         return None
     return _load_small_file(path, EXTRA_STATE_FILE, weights_only=True)
 
 
 def _load_small_file(path: Path, name: str, weights_only: bool):
-    """torch.load of one of the checkpoint's files. check_checkpoint_files has found it whole; a checkpoint
-    written before the files were recorded may still hold a damaged one: one line, not a traceback."""
+    """torch.load of a checkpoint file; a damaged one (older checkpoints record no digests) is one line."""
     try:
         return torch.load(path / name, weights_only=weights_only)
     except Exception as e:
@@ -440,10 +370,9 @@ def _load_small_file(path: Path, name: str, weights_only: bool):
 
 
 def export_model(accelerator, model, task, data_source: dict, model_dir, layout=None) -> None:
-    """Write `model/` the task's way (Task.export). Collective: gathering a sharded model needs
-    every rank; only the main process writes. Under pipeline parallelism each stage holds different layers: one rank per
-    stage gathers its stage's full tensors and sends them to the main process. BatchNorm's running
-    statistics are averaged over the data-parallel ranks first: the export is the model evaluated in the run."""
+    """Collective: write `model/` the task's way (Task.export), from the main process. Under pipeline
+    parallelism one rank per stage sends its stage's tensors. BatchNorm's running statistics are averaged
+    first: the export is the model the run evaluated."""
     average_running_stats(model, layout.group("dp") if layout is not None else None)
     if layout is None or layout.pp == 1:
         full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -460,17 +389,9 @@ def export_model(accelerator, model, task, data_source: dict, model_dir, layout=
     accelerator.wait_for_everyone()
 
 
-def _why(error: Exception) -> str:
-    """An exception as a few words for an error line: its type and the first line of its message."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
-
-
 def record_task(task, model_dir) -> None:
-    """model/task.json: the file and class of a Task of the user's own, so that evaluate.py can rebuild
-    the model without --task. Not for the Tasks of common/ (the built-in GPT's, 🤗 models'): their
-    config.json already says what they are. A class that cannot be imported again (defined inside a
-    function) is not recorded: evaluate.py then asks for --task."""
+    """model/task.json: where a Task of the user's own lives, so evaluate.py rebuilds the model without
+    --task (not for common/'s Tasks, nor a class defined inside a function)."""
     model_dir = Path(model_dir)
     cls = type(task)
     try:

@@ -4,6 +4,7 @@ the summary's `collectives_first_step_rank0`): every kind, forward and backward,
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -62,3 +63,19 @@ class CollectiveCounter(TorchDispatchMode):
         return {
             kind: {"calls": self.calls[kind], "mib": round(self.bytes[kind] / 2**20, 4)} for kind in sorted(self.calls)
         }
+
+
+@contextmanager
+def count_first_step(monitor):
+    """RunMonitor.collectives: counts the collectives of the run's first step (forward and backward, every
+    kind) for the summary; later steps run without the counter, and so does --compile (a dispatch mode
+    stops it)."""
+    first = monitor.step == monitor.start_step and not monitor.args.compile
+    if monitor.first_step_collectives is None:
+        monitor.first_step_collectives = {}  # stays empty under --compile
+    with CollectiveCounter(enabled=first) as counter:
+        yield
+    if first:
+        monitor.first_step_collectives = counter.report()
+        collectives = ", ".join(f"{k} {v['calls']} calls / {v['mib']:.3f} MiB" for k, v in counter.report().items())
+        monitor.write(f"  collectives of the first step (rank 0): {collectives or 'none'}")

@@ -1,6 +1,5 @@
-"""What a run costs, as its first lines and its summary report it: parameters, peak memory, the
-gradient all-reduce of a replicated run (DDP, Local SGD), and what DDP holds per rank, the yardstick
-of the sharded strategies (common/sharded_costs.py)."""
+"""What a run costs, as its first lines and summary report it: parameters, peak memory, a replicated
+run's all-reduce (DDP, Local SGD). What DDP holds per rank, the sharded ones' yardstick: sharded_costs.py."""
 
 from __future__ import annotations
 
@@ -22,26 +21,12 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def ring_allreduce_bytes(n_bytes: float, n_ranks: int) -> float:
-    """Bytes each rank sends (and receives) in a ring all-reduce: reduce-scatter then all-gather,
-    each moving (N-1)/N of the buffer."""
+    """Bytes each rank sends in a ring all-reduce: reduce-scatter, then all-gather, (N-1)/N each."""
     return 2 * (n_ranks - 1) / n_ranks * n_bytes
 
 
-def ddp_state_bytes(n_params: int, optimizer_name: str) -> dict:
-    """What DDP holds on every rank in fp32: parameters, gradients, and for AdamW two moments
-    (plus a 4-byte step count per tensor, ignored here)."""
-    optim = 8 * n_params if optimizer_name == "adamw" else 0
-    return {
-        "param_bytes": 4 * n_params,
-        "grad_bytes": 4 * n_params,
-        "optimizer_bytes": optim,
-        "total_bytes": 8 * n_params + optim,
-    }
-
-
 def replicated_summary(accelerator, n_params: int, allreduce_mib: float) -> dict:
-    """The cost figures of a replicated run's summary (DDP, Local SGD): peak memory of the largest
-    rank and of all ranks, and the gradient all-reduce per step and rank. Collective (a gather)."""
+    """Collective: a replicated run's summary figures (peak memory, the all-reduce per step and rank)."""
     peak_mb = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))
     return {
         "n_params": n_params,

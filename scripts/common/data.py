@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from .cli import FILE_BUILDERS
+from .builtin_flags import FILE_BUILDERS
 from .errors import UsageError
 
 ADDITION_SIZES = {"train": 100_000, "validation": 1_000}

@@ -1,5 +1,4 @@
-"""One-line errors for bad input, the one early exit that is not an error, and where the run
-stands (for the one line that a lost peer ends a run with)."""
+"""One-line errors for bad input, the early exit that is not one, and where the run stands."""
 
 
 class UsageError(Exception):
@@ -7,14 +6,11 @@ class UsageError(Exception):
 
 
 class NothingToDo(Exception):
-    """The run has nothing left to do (e.g. resuming a finished run): one line, exit code 0,
-    nothing written."""
+    """Nothing left to do (resuming a finished run): one line, exit code 0, nothing written."""
 
 
 class RunPosition:
-    """Where the run stands: the training loop's data stream (StepFeed) sets the optimizer
-    step it hands out; `launch.run_main` names it when a collective fails because a peer froze
-    or died. One per process, module level: the failure surfaces far from the loop."""
+    """Where the run stands (StepFeed sets it): run_main names it when a peer froze or died."""
 
     step: int | None = None  # the optimizer step being run (1-based); None before the first
     finished: bool = False  # past the last step (export, summary)

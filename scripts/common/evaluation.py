@@ -7,8 +7,7 @@ import math
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
-from accelerate.utils import send_to_device, slice_tensors
+from accelerate.utils import gather_object, send_to_device, slice_tensors
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Subset
 
@@ -17,17 +16,11 @@ from .batchnorm import average_running_stats
 
 @torch.no_grad()
 def evaluate(accelerator, model, task, validation, batch_size: int, layout=None, predict=None) -> dict:
-    """The task's evaluation (Task.eval_sums, Task.eval_metrics) over every validation sample
-    exactly once, under any layout, plus `num_samples`.
-
-    Data-parallel rank r scores samples r, r + dp, ... (dp: the layout's, else every process);
-    every rank runs the same number of batches, the last ones padded with repeats of its first
-    sample, because FSDP and the pipeline need all ranks in each forward; the padding is cut off
-    before scoring. `predict(*inputs)` (default: the model) returns the outputs where they exist
-    (a pipeline's last stage) and None elsewhere; one rank per data-parallel replica
-    (`layout.holds_loss`) adds its sums, so each sample counts once, not once per TP rank
-    (docs/troubleshooting.md, "Evaluation counted once per TP rank"). BatchNorm's running statistics are
-    first averaged over the data-parallel ranks: the evaluation is that of one model, the exported one."""
+    """Task.eval_sums and Task.eval_metrics over every validation sample exactly once, plus `num_samples`.
+    Data-parallel rank r scores samples r, r + dp, ...; every rank runs the same number of batches (FSDP
+    and the pipeline need all ranks in each forward), the padding cut off before scoring. `predict`
+    (default: the model) returns None where there are no outputs (a pipeline's other stages); one rank
+    per replica adds its sums (docs/troubleshooting.md, "Evaluation counted once per TP rank")."""
     average_running_stats(model, layout.group("dp") if layout is not None else None)  # a collective; no-op without
     dp = layout.dp if layout is not None else accelerator.num_processes
     dp_rank = layout.dp_rank if layout is not None else accelerator.process_index
@@ -55,13 +48,9 @@ def evaluate(accelerator, model, task, validation, batch_size: int, layout=None,
             sums[key] += float(value)
         sums["samples"] += real
     model.train(was_training)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank, dict(sums))  # a few numbers per rank, once per evaluation
-        sums = defaultdict(float)
-        for part in every_rank:
-            for key, value in part.items():
-                sums[key] += value
+    every_rank, sums = gather_object([dict(sums)]), defaultdict(float)  # Accelerate: a few numbers per rank
+    for key, value in ((k, v) for part in every_rank for k, v in part.items()):
+        sums[key] += value
     metrics = {
         k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in task.eval_metrics(sums).items()
     }

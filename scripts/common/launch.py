@@ -16,18 +16,15 @@ from .errors import NothingToDo, RunPosition, UsageError
 # Where launchers put how many processes they started (torchrun WORLD_SIZE, mpirun PMI_SIZE ...):
 # get_int_from_env(WORLD_SIZE_VARS, 1), Accelerate's own reading of them.
 WORLD_SIZE_VARS = ["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"]
+# What end_process_groups calls once the process group is gone: common/layout.py adds the release of
+# its device meshes' groups, so that a run without a mesh carries none of it.
+RELEASE_AT_END: list = []
 
 
 def run_main(main) -> None:
-    """Run `main()`; turn a UsageError into one line on stderr (from rank 0) and exit 2.
-
-    The other ranks wait a little first (wait_for_rank0_to_report), so the line is not lost.
-
-    Every way out ends the process groups first (end_process_groups): none may be left for the
-    interpreter's shutdown to free (docs/fault-tolerance.md, "Clean exits").
-
-    A collective that fails because a peer froze or died ends the run with one line naming the
-    step and the collective (lost_peer_line), exit code 1."""
+    """Run `main()`: a UsageError is one line on stderr and exit 2; a collective that fails because a peer
+    froze or died is one line naming the step (exit 1). Every way out ends the process groups first
+    (docs/fault-tolerance.md, "Clean exits")."""
     try:
         main()
     except UsageError as e:
@@ -59,25 +56,22 @@ def run_main(main) -> None:
 
 
 def end_process_groups() -> None:
-    """Destroy the process group where the run has not (the one-process group of a sharded
-    script, an early error), then free the groups the meshes still hold. Left to the
-    interpreter's shutdown, gloo's C++ teardown aborted about one finished run in 25 on a loaded
-    machine (release_process_groups)."""
+    """Destroy the process group where the run has not, then free the groups the meshes still hold: left
+    to the interpreter's shutdown, gloo's teardown aborted one finished run in 25 (layout.py)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    release_process_groups()
-    # Nothing is garbage after release_process_groups' collection: move every object to the
-    # permanent generation, so the interpreter's shutdown does not walk the ~3M objects that
-    # torch's modules create once more (about 1 s per process).
+    for release in RELEASE_AT_END:  # the groups that device meshes hold (common/layout.py)
+        release()
+    gc.collect()  # the groups' last references may sit in reference cycles
+    # Nothing is garbage now: move every object to the permanent generation, so the interpreter's
+    # shutdown does not walk the ~3M objects that torch's modules create once more (~1 s a process).
     gc.freeze()
 
 
 def check_launch() -> None:
-    """docs/troubleshooting.md, "Only one process started": `accelerate launch --cpu --num_processes 2`,
-    or a MULTI_CPU config
-    without an mpirun hostfile, starts ONE process. The launcher leaves a trace: it sets
-    MASTER_ADDR (only done when asked for more than one process or machine) and
-    ACCELERATE_USE_CPU (only its single-process launcher does), but no WORLD_SIZE."""
+    """`accelerate launch --cpu --num_processes 2` (or MULTI_CPU without an mpirun hostfile) starts ONE
+    process, with MASTER_ADDR and ACCELERATE_USE_CPU set but no WORLD_SIZE (docs/troubleshooting.md,
+    "Only one process started")."""
     asked_for_more = "MASTER_ADDR" in os.environ and "ACCELERATE_USE_CPU" in os.environ
     if asked_for_more and get_int_from_env(WORLD_SIZE_VARS, 1) == 1:
         raise UsageError(
@@ -87,29 +81,10 @@ def check_launch() -> None:
         )
 
 
-def launcher_sharding() -> str | None:
-    """The sharded strategy an Accelerate config asked for (FSDP, DeepSpeed, Megatron-LM), if any.
-    Read from the launcher's environment: on CPU Accelerate silently drops an FSDP config
-    (docs/troubleshooting.md, "Accelerate's FSDP config is ignored on CPU"), so the Accelerator's state
-    would not tell."""
-    return next(
-        (
-            name
-            for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM")
-            if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"
-        ),
-        None,
-    )
-
-
 def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **accelerator_kwargs):
-    """The Accelerator, with the CPU traps handled:
-    - "Several processes that each think they are alone" (docs/troubleshooting.md): a torchrun-style
-      launch (`--multi_gpu`, MULTI_GPU config) on a machine without
-      CUDA starts N processes that each think they are alone, unless told to use the CPU:
-      the scripts pass cpu=True whenever CUDA is missing (the default here too), and they join one
-      gloo process group; if they still do not, the run stops with one line;
-    - the collective timeout: a dead peer fails the run after `--collective_timeout` s."""
+    """The Accelerator, with the CPU traps handled: without CUDA it runs on the CPU, so N launched processes
+    join one gloo group (else each trains alone: docs/troubleshooting.md, "Several processes that each
+    think they are alone"), and a dead peer fails the run after --collective_timeout s."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -120,15 +95,11 @@ def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **acc
     use_cpu = cpu if cpu is not None else (args.cpu or not torch.cuda.is_available())
     RunPosition.collective_timeout = args.collective_timeout
     init_restart_safe_group(use_cpu, timedelta(seconds=args.collective_timeout))
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout))]
+    handlers += accelerator_kwargs.pop("kwargs_handlers", [])
+    trackers = None if args.report_to == "none" else args.report_to
     accelerator = Accelerator(
-        cpu=use_cpu,
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        kwargs_handlers=[
-            InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout)),
-            *accelerator_kwargs.pop("kwargs_handlers", []),
-        ],
-        **accelerator_kwargs,
+        cpu=use_cpu, log_with=trackers, project_dir=args.output_dir, kwargs_handlers=handlers, **accelerator_kwargs
     )
     if accelerator.num_processes != expected:  # never N silent single-process runs
         raise UsageError(
@@ -136,81 +107,25 @@ def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **acc
             f"{accelerator.num_processes}): launch with accelerate launch --config_file "
             "accelerate_configs/cpu_multi.yaml"
         )
-    if sharded:
+    if sharded:  # the script applies its strategy itself, on a device mesh (common/sharded.py)
+        from .sharded import check_sharded_launch, init_one_process_group
+
         check_sharded_launch(accelerator)
         init_one_process_group(accelerator)
     return accelerator
 
 
 def init_restart_safe_group(use_cpu: bool, timeout: timedelta) -> None:
-    """Under torchrun the workers share the launcher's key-value store, and it outlives a restart
-    (`--max_restarts`): the new workers would find the dead ones' addresses in it and fail to
-    connect ("Gloo connectFullMesh failed ... Connection refused"). So the process group is made
-    here, on a view of the store named after the attempt; Accelerate then uses it as it is."""
+    """torchrun's key-value store outlives a restart (--max_restarts): new workers would find the dead ones'
+    addresses ("Gloo connectFullMesh failed"). So the group is made on a view of it named after the attempt."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
         return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = torch.distributed.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
+    store = torch.distributed.PrefixStore(f"attempt_{attempt}", store)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group(
-        "gloo" if use_cpu else "nccl",
-        store=torch.distributed.PrefixStore(f"attempt_{attempt}", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timeout,
+        "gloo" if use_cpu else "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout
     )
-
-
-def check_sharded_launch(accelerator) -> None:
-    """A script that applies its strategy itself refuses a launch that also asks Accelerate for
-    one (it would shard twice on GPUs, and be silently dropped on CPU: docs/troubleshooting.md,
-    "Accelerate's FSDP config is ignored on CPU"), and fp16, whose loss scaler does not handle
-    sharded gradients."""
-    sharded = launcher_sharding()
-    if sharded:
-        raise UsageError(
-            f"this script applies its strategy itself with PyTorch's APIs, but the launch also asked Accelerate for "
-            f"{sharded}: launch with a plain multi-process config, e.g. --config_file "
-            "accelerate_configs/cpu_multi.yaml (or gpu_multi.yaml)"
-        )
-    if accelerator.mixed_precision == "fp16":
-        raise UsageError(
-            "--mixed_precision fp16 is not supported by the sharded strategies (its loss scaler does not handle "
-            "sharded gradients): launch with --mixed_precision bf16 or no"
-        )
-
-
-def init_one_process_group(accelerator) -> None:
-    """A DeviceMesh needs a process group, but `python scripts/X.py` and a one-process launch
-    create none (Accelerate needs none for one process): make a one-process group, in memory
-    (docs/troubleshooting.md, "A sharded script run as one process")."""
-    if torch.distributed.is_initialized():
-        return
-    backend = "cpu:gloo,cuda:nccl" if accelerator.device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(
-        backend,
-        store=torch.distributed.HashStore(),
-        rank=0,
-        world_size=1,
-        device_id=accelerator.device if accelerator.device.type == "cuda" else None,
-    )
-
-
-# Every DeviceMesh built in this process (Layout.build_mesh adds them), for release_process_groups().
-BUILT_MESHES: list = []
-
-
-def release_process_groups() -> None:
-    """Free the process groups that the meshes hold, now, while Python is fully alive.
-
-    destroy_process_group() shuts every group down and forgets it, but a DeviceMesh keeps its
-    groups' ProcessGroup objects in its own registry (sub-meshes use their root's), and DTensor's
-    module-level caches keep the meshes. Left alone, those objects are freed only while the
-    interpreter shuts down, and gloo's C++ teardown then sometimes aborted the finished run
-    ("terminate called without an active exception", docs/fault-tolerance.md, "Clean exits").
-    Call it after destroy_process_group()."""
-    for mesh in BUILT_MESHES:
-        mesh._pg_registry.clear()  # sub-meshes, flattened ones included, register in their root's
-    BUILT_MESHES.clear()
-    gc.collect()  # the groups' last references may sit in reference cycles

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import UsageError
-from .launch import BUILT_MESHES  # released when the run ends (launch.end_process_groups)
+from .launch import RELEASE_AT_END
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 FLAGS = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}
@@ -182,3 +182,24 @@ class Layout:
             rank = int(coords[tuple(idx)])
             lines.append(f"    {rank:>4}  {idx[0]:>3}  {idx[1]:>12}  {idx[2]:>8}  {idx[3]:>2}  {idx[4]:>2}")
         return "\n".join(lines)
+
+
+# Every DeviceMesh built in this process (Layout.build_mesh adds them), for release_process_groups().
+BUILT_MESHES: list = []
+
+
+def release_process_groups() -> None:
+    """Free the process groups that the meshes hold, now, while Python is fully alive.
+
+    destroy_process_group() shuts every group down and forgets it, but a DeviceMesh keeps its
+    groups' ProcessGroup objects in its own registry (sub-meshes use their root's), and DTensor's
+    module-level caches keep the meshes. Left alone, those objects are freed only while the
+    interpreter shuts down, and gloo's C++ teardown then sometimes aborted the finished run
+    ("terminate called without an active exception", docs/fault-tolerance.md, "Clean exits").
+    Call it after destroy_process_group()."""
+    for mesh in BUILT_MESHES:
+        mesh._pg_registry.clear()  # sub-meshes, flattened ones included, register in their root's
+    BUILT_MESHES.clear()  # end_process_groups then collects: the last references may sit in reference cycles
+
+
+RELEASE_AT_END.append(release_process_groups)  # launch.end_process_groups calls it

@@ -1,5 +1,5 @@
-"""The loaders every script needs, whatever its data: the training loader, whose sampler cuts one
-shuffled order into whole global batches (the same samples at step t on any layout)."""
+"""The training loader: one shuffled order cut into whole global batches (the same samples at step t on
+any layout)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from .errors import UsageError
 
 
 class GlobalBatchSampler(Sampler):
-    """The same shuffled order on every rank, fixed by (seed, epoch) alone, cut to whole
-    global batches. Accelerate then hands rank r every dp-th micro-batch of it, so the
-    samples of optimizer step t are the same for any number of processes."""
+    """The same order on every rank, fixed by (seed, epoch), cut to whole global batches; Accelerate hands
+    rank r every dp-th micro-batch of it."""
 
     def __init__(self, num_samples: int, global_batch_size: int, seed: int):
         self.num_samples = num_samples

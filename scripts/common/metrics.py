@@ -13,25 +13,14 @@ import torch
 from tqdm.auto import tqdm
 
 # Dense bf16 peak FLOP/s of common accelerators, for MFU; CPUs have no reliable figure (use --peak_flops).
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "V100": 125e12,
-    "T4": 65e12,
-}
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+PEAK_FLOPS |= {"V100": 125e12, "T4": 65e12}
 
 
 def peak_flops(device: torch.device, override: float | None) -> float | None:
-    if override:
+    if override or device.type != "cuda":
         return override
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return None
+    return next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None)
 
 
 def synchronize(device: torch.device) -> None:
@@ -40,12 +29,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class MetricsWriter:
-    """metrics.jsonl, one JSON object a line, written by the main process only."""
-
+class MetricsWriter:  # metrics.jsonl, one JSON object a line, from the main process
     def __init__(self, output_dir, enabled: bool):
-        self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.enabled, self.path = enabled, Path(output_dir) / "metrics.jsonl"
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -56,8 +42,7 @@ class MetricsWriter:
 
 
 class Throughput:
-    """Tokens/s (samples/s where samples have no tokens) and MFU over training-step time only
-    (evaluation and checkpoints excluded): per report window, and over the whole run."""
+    """Tokens/s (or samples/s) and MFU over training-step time only: per report window, and in all."""
 
     def __init__(self, flops_per_item: float | None, peak: float | None, unit: str = "tokens"):
         self.flops_per_item, self.peak, self.unit = flops_per_item, peak, unit
@@ -85,16 +70,11 @@ class Throughput:
 
 
 class RunMonitor:
-    """Watches the run for the training loop, in one place: its cadence (which steps log, evaluate,
-    checkpoint), the step timers and throughput over training-step time, the first step's
-    collectives, the records of metrics.jsonl (main process), the same figures to Accelerate's
-    trackers, and the progress bar. It runs no training: the loop stays in the script.
-
-    Without a terminal (a log file, a batch job) the bar redraws at most every 30 s instead of
-    filling the log with carriage returns."""
+    """Watches the run for the training loop: its cadence (which steps log, evaluate, checkpoint), the
+    step timers and throughput, metrics.jsonl, Accelerate's trackers, the progress bar. It runs no
+    training: the loop stays in the script."""
 
     def __init__(self, accelerator, args, name: str, feed, world_size: int, global_batch_size: int):
-        """`feed`: the run's StepFeed, which says where the run starts (its step) and stands (its epoch)."""
         start_step = feed.step
         self.accelerator, self.args, self.name, self.start_step, self.feed = accelerator, args, name, start_step, feed
         self.world_size, self.global_batch_size = world_size, global_batch_size
@@ -110,9 +90,8 @@ class RunMonitor:
     def start(
         self, task, model_line: str, n_params: int, data, strategy_lines: list[str], resume_path=None, layout=None
     ) -> None:
-        """Print the run's first lines (who runs, the model (`model_line`: Task.describe), the data, the
-        global batch, what the strategy costs, where a resumed run starts), then open the progress bar.
-        Throughput counts tokens where the task's samples have them (Task.tokens_per_sample), else samples."""
+        """Print the run's first lines (who runs, the model, the data, the global batch, what the strategy
+        costs, where a resumed run starts), then open the progress bar."""
         acc, args = self.accelerator, self.args
         self.layout = layout
         tokens = task.tokens_per_sample
@@ -138,76 +117,44 @@ class RunMonitor:
         if resume_path:
             lines.append(f"  resuming from {resume_path} at step {self.start_step}")
         acc.print("\n".join(lines))  # Accelerate: prints on the main process only
-        mininterval = 0.1 if sys.stderr.isatty() else 30
-        self.bar = tqdm(
-            total=args.max_steps,
-            initial=self.start_step,
-            desc="train",
-            dynamic_ncols=True,
-            disable=not acc.is_main_process,
-            mininterval=mininterval,
-        )
+        # main process only; to a log file (no terminal) a redraw every 30 s, not every step
+        shown = {"disable": not acc.is_main_process, "mininterval": 0.1 if sys.stderr.isatty() else 30}
+        self.bar = tqdm(total=args.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True, **shown)
 
     # --- when: the cadence flags ----------------------------------------------------------
     def due(self, step: int, what: str) -> bool:
         """Is a "train" record, an "eval" or a "checkpoint" due after `step`?"""
-        return {"train": self.is_log_step, "eval": self.is_eval_step, "checkpoint": self.is_checkpoint_step}[what](step)
+        a, last = self.args, step == self.args.max_steps
+        if what == "train":
+            return step % a.log_every == 0 or last
+        if what == "eval":
+            return bool(a.eval_every and step % a.eval_every == 0) or last
+        return bool(a.checkpoint_every and step % a.checkpoint_every == 0) or step == a.stop_at_step
 
-    @contextmanager
     def collectives(self):
-        """Counts the collectives of the run's first step (forward and backward, every kind) for the
-        summary; later steps run without the counter, and so does --compile (a dispatch mode stops it)."""
-        from .collectives import CollectiveCounter  # the sharded scripts' (and Local SGD's) first lines
+        """Counts the collectives of the run's first step for the summary (common/collectives.py)."""
+        from .collectives import count_first_step  # the sharded scripts' (and Local SGD's)
 
-        first = self.step == self.start_step and not self.args.compile
-        if self.first_step_collectives is None:
-            self.first_step_collectives = {}  # stays empty under --compile
-        with CollectiveCounter(enabled=first) as counter:
-            yield
-        if first:
-            self.first_step_collectives = counter.report()
-            collectives = ", ".join(f"{k} {v['calls']} calls / {v['mib']:.3f} MiB" for k, v in counter.report().items())
-            self.write(f"  collectives of the first step (rank 0): {collectives or 'none'}")
-
-    def is_log_step(self, step: int) -> bool:
-        return step % self.args.log_every == 0 or step == self.args.max_steps
-
-    def is_eval_step(self, step: int) -> bool:
-        return bool(self.args.eval_every and step % self.args.eval_every == 0) or step == self.args.max_steps
-
-    def is_checkpoint_step(self, step: int) -> bool:
-        return (
-            bool(self.args.checkpoint_every and step % self.args.checkpoint_every == 0)
-            or step == self.args.stop_at_step
-        )
+        return count_first_step(self)
 
     # --- what -------------------------------------------------------------------------------
-    # Training time is measured over stretches of consecutive steps, each between two device
-    # synchronisations: on a GPU the host runs ahead of the kernels, and a clock read per step
-    # would count queued work in the next step, or in the evaluation after it
-    # (docs/troubleshooting.md, "Throughput timers on a GPU"). A stretch ends before anything
-    # that is not training (a record, an evaluation, a checkpoint, the end), so those never count.
+    # Training time is measured over stretches of steps between two device synchronisations (a GPU's
+    # host runs ahead of its kernels: docs/troubleshooting.md, "Throughput timers on a GPU"). A stretch
+    # ends before a record, an evaluation or a checkpoint, so those never count.
     @contextmanager
     def timed_step(self):
-        """One optimizer step of the loop, timed as training: what follows it (records, evaluations,
-        checkpoints) never counts as training time."""
-        self.step_start()
-        yield
-        self.step_end()
-
-    def step_start(self) -> None:
+        """One optimizer step of the loop, timed as training."""
         if self._stretch_start is None:
             synchronize(self.accelerator.device)
             self._stretch_start = time.perf_counter()
-
-    def step_end(self) -> None:
+        yield
         self.step += 1
         self.throughput.add(self.tokens_per_step, 0.0)
         step = self.step
         if self.step == self.start_step + 1 and self.args.compile:
             self._end_stretch()
             self.write(f"step {step} took {self.throughput.total[1]:.1f} s, torch.compile's compilation included")
-        elif self.is_log_step(step) or self.is_eval_step(step) or self.is_checkpoint_step(step):
+        elif any(self.due(step, what) for what in ("train", "eval", "checkpoint")):
             self._end_stretch()
         self.bar.update(1)
 
@@ -221,38 +168,24 @@ class RunMonitor:
         """One train record; `grad_norm` is None when --max_grad_norm 0 turned clipping off."""
         grad_norm = None if grad_norm is None or not self.args.max_grad_norm else float(grad_norm)
         layout = {"layout": self.layout.describe()} if self.layout is not None else {}
-        # The first record after a resume says so: steps after the checkpoint that an interrupted
-        # run had already logged appear again; the later record of a step is the one that counts.
+        # The first record after a resume says so: the later record of a step logged twice counts.
         resumed = {"resumed": True} if self.start_step > 0 and not self._logged else {}
         self._logged = True
-        record = {
-            "type": "train",
-            "step": step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "global_batch_size": self.global_batch_size,
-            "world_size": self.world_size,
-            "epoch": self.feed.epoch,
-            **layout,
-            **resumed,
-            **extra,
-            **self.throughput.report(self.world_size),
-        }
+        record = {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}
+        record |= {"global_batch_size": self.global_batch_size, "world_size": self.world_size, "epoch": self.feed.epoch}
+        record |= {"elapsed_s": self.elapsed(), **layout, **resumed, **extra}  # elapsed: plot any run against time
+        record |= self.throughput.report(self.world_size)
         self.metrics.write(record)
-        self.accelerator.log(
-            {k: v for k, v in record.items() if isinstance(v, float)}, step=step
-        )  # Accelerate: trackers
-        per_sec = record[f"{self.unit}_per_sec"]
-        self.bar.set_postfix(
-            {"loss": f"{loss:.4f}", "tok_s" if self.unit == "tokens" else "samples_s": f"{per_sec:.0f}"}
-        )
+        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=step)  # Accelerate
+        per_sec = f"{record[f'{self.unit}_per_sec']:.0f}"
+        self.bar.set_postfix({"loss": f"{loss:.4f}", "tok_s" if self.unit == "tokens" else "samples_s": per_sec})
         return record
 
     def eval(self, step: int, result: dict, **extra) -> None:
         self.metrics.write({"type": "eval", "step": step, **extra, **result, "elapsed_s": self.elapsed()})
         self.accelerator.log({k: v for k, v in result.items() if k != "num_samples"}, step=step)
-        self.write(f"step {step}: " + ", ".join(f"{k} {format_number(v)}" for k, v in result.items()))
+        figures = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
+        self.write(f"step {step}: {figures}")  # 4 digits; metrics.jsonl keeps them all
 
     def write(self, line: str) -> None:
         """A line above the bar, from the main process."""
@@ -272,16 +205,9 @@ class RunMonitor:
             figures["collectives_first_step_rank0"] = self.first_step_collectives
         if self.args.compile:  # how many graphs torch.compile made (0: it compiled nothing)
             figures["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        summary = {
-            "type": "summary",
-            "steps": step - self.start_step,
-            "final_step": step,
-            "time_s": self.elapsed(),
-            **self.throughput.summary(self.world_size),
-            "global_batch_size": self.global_batch_size,
-            "world_size": self.world_size,
-            **figures,
-        }
+        summary = {"type": "summary", "steps": step - self.start_step, "final_step": step, "time_s": self.elapsed()}
+        summary |= {**self.throughput.summary(self.world_size), "global_batch_size": self.global_batch_size}
+        summary |= {"world_size": self.world_size, **figures}
         self.metrics.write(summary)
         if step == self.args.max_steps:
             saved = f"model saved to {Path(self.args.output_dir) / 'model'}"
@@ -291,8 +217,3 @@ class RunMonitor:
             saved = f"stopped at step {step}: continue with --resume_from_checkpoint latest"
         self.accelerator.print(f"done: {summary}\n{saved}; metrics in {self.metrics.path}")
         return summary
-
-
-def format_number(value) -> str:
-    """4 significant digits for printing (metrics.jsonl keeps full precision)."""
-    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,5 +1,5 @@
 """The built-in GPT's size presets (--model_size), in a module of their own: the command line
-(common/cli.py) lists and checks them without importing the model."""
+(common/builtin_flags.py) lists and checks them without importing the model."""
 
 # name: (n_layer, n_head, n_embd, block_size)
 MODEL_PRESETS = {

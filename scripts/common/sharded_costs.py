@@ -7,7 +7,19 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .costs import ddp_state_bytes, peak_memory_mb
+from .costs import peak_memory_mb
+
+
+def ddp_state_bytes(n_params: int, optimizer_name: str) -> dict:
+    """What DDP holds on every rank in fp32: parameters, gradients, and for AdamW two moments
+    (plus a 4-byte step count per tensor, ignored here)."""
+    optim = 8 * n_params if optimizer_name == "adamw" else 0
+    return {
+        "param_bytes": 4 * n_params,
+        "grad_bytes": 4 * n_params,
+        "optimizer_bytes": optim,
+        "total_bytes": 8 * n_params + optim,
+    }
 
 
 def gather_max(accelerator, value: float) -> float:

@@ -1,28 +1,19 @@
-"""The model contract: what a training script needs to know about the model it trains.
+"""The model contract: what a script needs to know about the model it trains. Its MODEL section builds
+the model and a `Task`; nothing else assumes which model is trained (docs/your-model.md).
 
-A script's MODEL section builds the model and a `Task` that names the model's parts for the
-strategies and says how to score a batch. Nothing else in a script, and nothing in `common/`,
-assumes which model is trained: swap the model by swapping that section (docs/your-model.md).
+    Task                          what it answers (for what)
+    units(model)                  the units to cut at: a container, a list of submodules, or none (FSDP, PP)
+    inputs(batch)                 the model's positional inputs (every forward)
+    targets(batch)                what the loss compares with (the loss; PP's last stage)
+    count_targets(batch)          a micro-batch's targets, before the forward (the divisor of the step's loss)
+    loss(outputs, targets)        (loss_sum, n_targets): a SUM (backward, the logged loss)
+    eval_sums / eval_metrics      sums over a batch / the reported figures, with eval_loss (evaluation)
+    describe / tokens_per_sample  the banner's line / tokens in a sample, or None (samples/s)
+    export(state_dict, dir)       writes the final model (OUTPUT_DIR/model)
+    set_attention / forward_at    context parallelism: an attention function; a forward at given positions
 
-    Task                      what it answers                      used by
-    units(model)              the units to cut at (a container,     FSDP units, activation
-                              a list of submodules, or none)        checkpointing, --compile, PP split
-    inputs(batch)             the model's positional inputs         every forward
-    targets(batch)            what the loss compares with           the loss; PP's last stage
-    count_targets(batch)      targets in a micro-batch, before      the divisor of the whole step's
-                              the forward                           loss (all micro-batches, all ranks)
-    loss(outputs, targets)    (loss_sum, n_targets): a SUM          backward, the logged loss
-    eval_sums(outputs, tgts)  sums over a batch (dict of tensors)   evaluation, added over batches, ranks
-    eval_metrics(sums)        the reported figures (eval_loss ...)  evaluation
-    describe(model)           one line for the banner               the start of the run
-    tokens_per_sample         tokens in a sample, or None           tokens/s (samples/s otherwise)
-    export(state_dict, dir)   writes the final model                OUTPUT_DIR/model
-    set_attention(model, fn)  installs an attention function        context parallelism (train_cp.py):
-    forward_at(model, ids,    a forward of some tokens of each      each rank runs a slice of every
-               positions)     sequence at their real positions      sequence, the ring as its attention
-
-`check_task_contract` runs every method once before step 1, so that a mistake is one line. A causal
-language model's Task is `CausalLMTask` (common/causal_lm.py).
+`check_task_contract` runs every method once before step 1: a mistake is one line. A causal LM's Task
+is `CausalLMTask` (common/causal_lm.py).
 """
 
 from __future__ import annotations
@@ -30,12 +21,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from accelerate.utils import send_to_device, slice_tensors
+from torch.utils.data import default_collate
 
 from .errors import UsageError
+from .evaluation import full_outputs
 
 
 class Task:
@@ -60,8 +55,7 @@ class Task:
     def loss(self, outputs, targets) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def loss_of(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss_sum, n_targets) of one micro-batch: its forward, then the loss."""
+    def loss_of(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:  # one micro-batch
         return self.loss(model(*self.inputs(batch)), self.targets(batch))
 
     def eval_sums(self, outputs, targets) -> dict:
@@ -79,18 +73,15 @@ class Task:
         """Training FLOPs per token (or per sample without tokens), for MFU; None: unknown."""
         return None
 
-    def config(self) -> dict:
-        """What is written beside the weights (config.json)."""
+    def config(self) -> dict:  # config.json, beside the weights
         return {"task": self.name}
 
-    def export(self, state_dict: dict, model_dir, data_source: dict) -> None:
-        """Write the full model to `model_dir` (one process): safetensors + config.json + data.json."""
+    def export(self, state_dict: dict, model_dir, data_source: dict) -> None:  # one process
         write_model_dir(state_dict, self.config(), data_source, model_dir)
 
     # ---- context parallelism (train_cp.py): the attention is replaceable, the positions are given
     def set_attention(self, model: nn.Module, attention) -> None:
-        """Make every attention layer call `attention(q, k, v, dropout_p=0.0)` on (batch, heads, tokens,
-        head_dim), causal, in place of its own; None: its own again."""
+        """Every attention layer calls `attention(q, k, v, dropout_p=0.0)` (causal) instead of its own."""
         raise UsageError(
             f"context parallelism replaces the model's attention, but this model's Task ({type(self).__name__}) "
             "does not say how: implement Task.set_attention and Task.forward_at in the script's MODEL section "
@@ -103,13 +94,9 @@ class Task:
 
 
 def find_units(model: nn.Module, path):
-    """The repeated units the strategies cut the model at (one FSDP unit each, activation checkpointing,
-    --compile, the pipeline split). `path` names them:
-    - a container of units, "blocks" or "model.layers" (a non-empty nn.ModuleDict or nn.ModuleList);
-    - a list of submodule names, ["conv1", "conv2"]: any structure, nothing to rewrite;
-    - None (or []): no units; FSDP shards the whole model as one unit.
-    Returned as that container, or as an nn.ModuleList holding the named modules (it registers nothing
-    in the model: parameter names do not change). A name the model lacks is one line naming what it has."""
+    """The units the strategies cut the model at (FSDP units, activation checkpointing, --compile, the
+    pipeline split), named by `path`: a container ("blocks", "model.layers"), a list of submodules
+    (["conv1", "conv2"]: parameter names do not change), or None (FSDP shards the whole model as one)."""
     if path is None or isinstance(path, (list, tuple)):
         return nn.ModuleList(_submodule(model, name, name) for name in path or [])
     obj = _submodule(model, path, "the container of repeated units")
@@ -139,8 +126,7 @@ def _submodule(model: nn.Module, path: str, what: str) -> nn.Module:
 
 
 def write_model_dir(state_dict: dict, config: dict, data_source: dict, model_dir) -> None:
-    """Write a full state dict as `model_dir/` (safetensors + config + data), via a temp dir renamed
-    into place. Called by one process per directory."""
+    """One process: a full state dict as `model_dir/` (safetensors, config, data), renamed into place."""
     from safetensors.torch import save_file
 
     model_dir = Path(model_dir)
@@ -209,20 +195,10 @@ def _is_number(value) -> bool:
 
 @torch.no_grad()
 def check_task_contract(task: Task, model: nn.Module, validation, device, context=None) -> None:
-    """Run every Task method once on 4 validation samples before step 1, so that a mistake in the
-    MODEL section is one `error:` line naming the method, what it returned and what was expected,
-    not a traceback deep in a strategy or a silent wrong run. The most silent mistake is a loss
-    returned as a MEAN: it trains, but the script divides it again by the step's target count
-    (logged loss and gradients far too small). A sum is additive over samples: the loss of 4
-    samples must equal the losses of its two halves added, and its n_targets must equal
-    Task.count_targets. Run on every rank (the forward may be a collective)."""
-    from contextlib import nullcontext
-
-    from accelerate.utils import send_to_device, slice_tensors
-    from torch.utils.data import default_collate
-
-    from .evaluation import full_outputs
-
+    """Every rank, before step 1: each Task method once on 4 validation samples, so a mistake is one
+    `error:` line naming the method, what it returned and what was expected. The most silent one is a
+    loss returned as a MEAN (the script divides by the target count again): the loss of 4 samples must
+    equal its two halves' added, and cover Task.count_targets' targets."""
     if len(validation) < 4:
         return
     batch = send_to_device(default_collate([validation[i] for i in range(4)]), device)

@@ -1,28 +1,21 @@
 """Pieces of a training run that every strategy shares: --compile of the units, the optimizer, the
-LR schedule, gradient clipping over sharded gradients, and the endless stream of micro-batches with
-a resumable, layout-free data position."""
+LR schedule, and the endless stream of micro-batches with a resumable, layout-free data position."""
 
 from __future__ import annotations
 
 import math
 import signal
 import threading
-from collections import defaultdict
 
 import torch
-import torch.distributed as dist
-from accelerate.data_loader import prepare_data_loader
 from torch.distributed.tensor import DTensor
 
 from .errors import RunPosition
 
 
 def compile_units(units, accelerator) -> None:
-    """--compile: `torch.compile` each transformer block, torchtitan's way. After TP and activation
-    checkpointing, which change what a block computes, and before FSDP, whose gather and
-    reduce-scatter hooks then stay outside the compiled code (dynamo skips FSDP2's hooks). In
-    place (`Module.compile`), so parameter names, and so checkpoints, do not change. Every block
-    runs the same code on the same shapes: the first one's compilation serves the others."""
+    """--compile: `torch.compile` each block in place (names, so checkpoints, do not change), torchtitan's
+    way: after TP and activation checkpointing, before FSDP (its hooks stay outside the compiled code)."""
     blocks = unit_modules(units)
     accelerator.print(
         f"--compile: compiling the {len(blocks)} repeated unit(s) of this rank with torch.compile; the first "
@@ -43,18 +36,10 @@ def unit_modules(units) -> list:
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not biases, norms), or plain SGD.
-
-    Sharded models hold DTensor parameters, often beside plain ones, or DTensors on different
-    meshes and placements. The multi-tensor kernels need one kind per parameter group, and
-    without them every parameter of every step goes through DTensor dispatch one op at a time
-    (docs/troubleshooting.md, "Slow or failing optimizer with DTensor parameters"). So every
-    kind, (mesh, placements) or plain, gets its own group, and the fastest kernel is asked for:
-    - AdamW's fused kernel, with every parameter on the CPU or on CUDA: one op per group and
-      step, so one DTensor dispatch per group (on the CPU too: a third of the `foreach` time for
-      plain tensors, half of it for DTensors);
-    - otherwise (SGD, or other devices) `foreach` for DTensors, which torch's default turns off
-      for them: one dispatch per op per group instead of per parameter."""
+    """AdamW with weight decay on matrices only (not biases, norms), or plain SGD. Each kind of parameter
+    (plain, or a DTensor's mesh and placements) gets its own group, so the multi-tensor kernels run:
+    AdamW's fused one, else `foreach` (docs/troubleshooting.md, "Slow or failing optimizer with DTensor
+    parameters")."""
     params = list(model.parameters())
     groups: dict[tuple, list] = {}
     for p in params:
@@ -74,8 +59,7 @@ def make_optimizer(model, args) -> torch.optim.Optimizer:
 
 
 def make_scheduler(optimizer, args, min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up to the peak, then cosine decay to `min_ratio` of it at --max_steps.
-    Counted in optimizer steps, so it is the same for any number of processes."""
+    """Linear warm-up, then cosine decay to `min_ratio` of the peak at --max_steps (optimizer steps)."""
 
     def lr_factor(step: int) -> float:
         if step < args.warmup_steps:
@@ -87,20 +71,11 @@ def make_scheduler(optimizer, args, min_ratio: float = 0.1) -> torch.optim.lr_sc
 
 
 class StepFeed:
-    """Feeds each optimizer step what it needs, and nothing else does: (1) its micro-batches, epoch
-    after epoch, from a data position that does not depend on the layout; (2) the target count of
-    the whole global batch, an asynchronous all-reduce; (3) whether this is the last step, because
-    SIGTERM or Ctrl-C reached a rank (preemption): the request travels with the count, so every
-    rank learns it at the same step.
-
-    The count needs an all-reduce over the data-parallel ranks. It is started one step ahead
-    (asynchronously, for the step after the one handed out), so it never makes a step wait: a
-    blocking all-reduce per step cost 4% of the step time on 2 CPU processes.
-
-    The position is (epoch, samples of that epoch consumed by the whole run); on resume each rank
-    skips its share with `accelerator.skip_first_batches`. The loader that returns starts at
-    epoch 0 (docs/troubleshooting.md, "Resume is not exact"), so the epoch is set on it, and on the sampler, every pass.
-    """
+    """Feeds each optimizer step: (1) its micro-batches, epoch after epoch, from a data position that
+    does not depend on the layout (epoch, samples of it consumed); (2) the target count of the global
+    batch, an all-reduce started one step ahead so that it never makes a step wait; (3) whether this is
+    the last step, because SIGTERM or Ctrl-C reached a rank (preemption): the request travels with the
+    count, so every rank stops at the same step."""
 
     def __init__(
         self,
@@ -113,8 +88,6 @@ class StepFeed:
         count_targets,
         dp_group=None,
     ):
-        """`progress`: where the run stands (load_checkpoint's answer): epoch and samples_in_epoch.
-        `count_targets(micro_batch)`: its number of targets (Task.count_targets)."""
         self.count_targets = count_targets
         self.accelerator, self.loader, self.sampler = accelerator, loader, sampler
         self.global_batch_size, self.grad_accum = global_batch_size, gradient_accumulation_steps
@@ -122,15 +95,10 @@ class StepFeed:
         self.step = progress["step"]  # steps handed out so far: named if a peer is lost (RunPosition)
         self.samples_per_epoch = len(sampler)  # a whole number of global batches
         self.dp_group = dp_group  # None: all processes are data-parallel ranks
-        # Preemption: SIGTERM (what SLURM and Kubernetes send before they kill a job) or Ctrl-C on
-        # any rank asks the run to stop. The request travels with the next step's target count, so
-        # every rank learns it at the same step and they all stop there, after a checkpoint.
+        # SIGTERM (what SLURM and Kubernetes send before a kill) or Ctrl-C on any rank asks the run to stop
         self.stop_requested = self.preempted = False
-        self._old_handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            self._old_handlers = {
-                sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)
-            }
+        signals = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+        self._old_handlers = {sig: signal.signal(sig, self._request_stop) for sig in signals}  # main thread only
         self._batches = self._iterate()
         self._next = self._fetch()
 
@@ -167,8 +135,7 @@ class StepFeed:
         return micro_batches, count, stop, works
 
     def next_step(self) -> tuple[list, torch.Tensor]:
-        """This rank's micro-batches of the next optimizer step, and the target count of the global
-        batch."""
+        """This rank's micro-batches of the next step, and the global batch's target count."""
         micro_batches, count, stop, works = self._next
         self.step += 1
         RunPosition.step = self.step
@@ -184,8 +151,7 @@ class StepFeed:
         return micro_batches, count
 
     def close(self) -> None:
-        """Let the count started for the step after the last one finish (before teardown), and give
-        SIGTERM and SIGINT their handlers back."""
+        """Wait for the count started ahead (before teardown); give SIGTERM and SIGINT their handlers back."""
         RunPosition.finished = True
         RunPosition.waiting = "all_reduce (the step's target count)"
         for work in self._next[3]:
@@ -196,46 +162,3 @@ class StepFeed:
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch}
-
-
-def shard_loader(loader, accelerator, layout):
-    """Accelerate's loader sharding, over the data-parallel ranks only: every rank of one TP
-    group or one pipeline gets the same micro-batches (prepare() would shard over all ranks)."""
-    return prepare_data_loader(
-        loader, device=accelerator.device, num_processes=layout.dp, process_index=layout.dp_rank, put_on_device=True
-    )
-
-
-@torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Clip the global gradient norm when gradients are sharded (DTensor) and/or split over
-    pipeline stages; `max_norm` 0 or inf only measures. Returns the norm before clipping, the
-    same on every rank.
-
-    A DTensor gradient may come out of backward in another placement than its parameter (a
-    replicated LayerNorm weight under sequence parallel gets a Partial sum from each sequence
-    slice): it is first brought to the parameter's placement, which the optimizer needs anyway.
-    Then torch's own DTensor-aware pieces do the rest: `get_total_norm` per kind of gradient
-    (one (mesh, placements) pair, or plain tensors) gives a norm that is partial over the sharded
-    mesh dimensions; `full_tensor()` reduces it, one all-reduce per kind; the pipeline stages'
-    squares are summed; `clip_grads_with_norm_` scales every gradient with multi-tensor kernels.
-    (docs/troubleshooting.md, "Gradient clipping with sharded gradients")"""
-    max_norm = max_norm or float("inf")
-    parameters = [p for p in parameters if p.grad is not None]
-    kinds: dict[tuple, list] = defaultdict(list)
-    for p in parameters:
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        kinds[(p.device_mesh, p.placements) if isinstance(p.grad, DTensor) else None].append(p)
-    squares = []
-    for params in kinds.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double().pow(2))
-    total = torch.stack(squares).sum()
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total, group=pp_group)
-    norm = total.sqrt().float()
-    if max_norm != float("inf"):
-        for params in kinds.values():  # a multi-tensor kernel takes one kind of tensor
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm

@@ -61,6 +61,10 @@ GPT_PLAN = (
 )
 
 
+# the flags section's two lines that add the built-in data sets' and models' flags: a copy drops them
+BUILTIN_FLAGS = r"^    from common\.builtin_flags import add_builtin_flags.*\n\n    add_builtin_flags\(.*\n"
+
+
 def replace_once(pattern: str, new: str, text: str, what: str) -> str:
     text, n = re.subn(pattern, lambda _: new, text, flags=re.M)
     if n != 1:
@@ -70,6 +74,7 @@ def replace_once(pattern: str, new: str, text: str, what: str) -> str:
 
 def edit(script: str, text: str, data: str = DATA, model: str = MODEL) -> str:
     """The page's adaptation of `script`, as a recipe that survives changes around it."""
+    text = replace_once(BUILTIN_FLAGS, "", text, "the built-in flags (add_builtin_flags)")
     text = replace_once(r"^    data = load_data\(.*\)\n", data, text, "the data line")
     text = replace_once(
         r"(^    # .*\n)*^    model, task = language_model\(args, data(?:, on_meta=True)?\)(?:  #.*)?\n",
