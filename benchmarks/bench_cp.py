@@ -9,7 +9,11 @@
    per layer (cp-1) K/V blocks forward, (cp-1) K/V + cp dK/dV blocks backward;
 3. time of a forward + backward at the same tokens per rank (--tokens_per_rank, default 2048: sequences
    of 2048 x cp), with the transfers overlapping the compute and without (each transfer waited for
-   before computing): what the overlap hides. On 2 cores, 4 ranks share them: indicative only.
+   before computing): what the overlap hides. On 2 cores, 4 ranks share them: indicative only;
+4. the same three figures for Ulysses (train_cp.py --cp_impl ulysses) beside the ring: activations at
+   --seq_len, the all-to-all buffers each rank sent against the formula (per layer q, k, v and the output,
+   forward and backward, each b x s/cp x d; (cp-1)/cp of it leaves the rank), and the step time at the
+   same tokens per rank (sequences of 4k and 8k tokens at cp 2 and 4): fused attention on whole sequences.
 
     python benchmarks/bench_cp.py [--seq_len 8192] [--tokens_per_rank 2048] [--iters 3]
 
@@ -50,7 +54,16 @@ def worker(args) -> None:
     """One rank of a cp-rank job: memory at --seq_len, bytes sent, times at --tokens_per_rank."""
     import torch
     import torch.distributed as dist
-    from train_cp import Ring, head_tail_chunks, rank_positions, ring_attention, ring_bytes_per_step
+    from train_cp import (
+        Ring,
+        Ulysses,
+        cp_chunks,
+        rank_positions,
+        ring_attention,
+        ring_bytes_per_step,
+        ulysses_attention,
+        ulysses_bytes_per_step,
+    )
 
     from common.model import GPT, GPTConfig, GPTTask
 
@@ -60,15 +73,19 @@ def worker(args) -> None:
     group = dist.new_group(list(range(cp)))  # the ring's own group, as a CP group of the training mesh
     result = {"cp": cp}
 
-    def step(seq_len: int, overlap: bool, measure_memory: bool = False):
+    def step(seq_len: int, overlap: bool, measure_memory: bool = False, impl: str = "ring"):
         torch.manual_seed(0)
         cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=seq_len)
         model, task = GPT(cfg), GPTTask(cfg, seq_len, "text")
-        ring = Ring(group, head_tail_chunks(cp), overlap=overlap) if cp > 1 else None
-        if ring:
+        chunks_of, ring = cp_chunks(cp, impl), None
+        if cp > 1 and impl == "ulysses":
+            ring = Ulysses(group, chunks_of)
+            task.set_attention(model, ulysses_attention(ring))
+        elif cp > 1:
+            ring = Ring(group, chunks_of, overlap=overlap)
             task.set_attention(model, ring_attention(ring))
         ids = torch.randint(0, 256, (1, seq_len))
-        pos = rank_positions(seq_len, head_tail_chunks(cp)[rank], 2 * cp)
+        pos = rank_positions(seq_len, chunks_of[rank], sum(map(len, chunks_of)))
         targets = task.next_token_targets({"labels": ids})[:, pos]
 
         def forward():
@@ -81,18 +98,27 @@ def worker(args) -> None:
         seconds = time.perf_counter() - start
         return kept, seconds, ring, cfg
 
+    from common.layout import Layout
+
+    layout = Layout(cp=cp, world_size=cp)
     kept, _, ring, cfg = step(args.seq_len, True, measure_memory=True)
     result["activation_mib"] = kept / MIB
     if ring:
-        from common.layout import Layout
-
-        layout = Layout(cp=cp, world_size=cp)
         result["sent_mib"] = {k: v / MIB for k, v in ring.sent_bytes.items()}
         formula = ring_bytes_per_step(layout, 1, args.seq_len, cfg.n_embd, cfg.n_layer, 1)
         result["formula_mib"] = {k: v / MIB for k, v in formula.items()}
     for overlap in (True, False) if cp > 1 else (True,):
         times = [step(args.tokens_per_rank * cp, overlap)[1] for _ in range(args.iters + 1)][1:]  # 1 warm-up
         result["step_s_overlap" if overlap else "step_s_no_overlap"] = min(times)
+    if cp > 1:  # Ulysses beside the ring: the same model, sequence and tokens per rank
+        kept, _, ulysses, cfg = step(args.seq_len, True, measure_memory=True, impl="ulysses")
+        result["ulysses_activation_mib"] = kept / MIB
+        result["ulysses_sent_mib"] = {k: v / MIB for k, v in ulysses.sent_bytes.items()}
+        shapes = {"q_width": cfg.n_embd, "width": cfg.n_embd, "layers": cfg.n_layer}
+        formula = ulysses_bytes_per_step(layout, 1, args.seq_len, shapes, 1)
+        result["ulysses_formula_mib"] = {k: v / MIB for k, v in formula.items()}
+        times = [step(args.tokens_per_rank * cp, True, impl="ulysses")[1] for _ in range(args.iters + 1)][1:]
+        result["ulysses_step_s"] = min(times)
     every = [None] * cp
     dist.all_gather_object(every, result)
     if rank == 0:
@@ -105,6 +131,13 @@ def worker(args) -> None:
             merged["step_s_no_overlap_max_rank"] = max(r["step_s_no_overlap"] for r in every)
             merged["sent_mib_per_rank"] = every[0]["sent_mib"]
             merged["formula_mib_per_rank"] = every[0]["formula_mib"]
+            merged["ulysses"] = {
+                "activation_mib_per_rank_max": max(r["ulysses_activation_mib"] for r in every),
+                "step_s_max_rank": max(r["ulysses_step_s"] for r in every),
+                "all_to_all_buffers_mib_per_rank": every[0]["ulysses_sent_mib"],
+                "formula_mib_per_rank": every[0]["ulysses_formula_mib"],
+                "leaves_rank_mib_per_rank": {k: v * (cp - 1) / cp for k, v in every[0]["ulysses_sent_mib"].items()},
+            }
         print("RESULT " + json.dumps(merged))
     dist.destroy_process_group()
 
@@ -164,6 +197,20 @@ def main():
         f"  time: forward + backward of one sequence of {args.tokens_per_rank} x cp tokens "
         f"({args.tokens_per_rank} per rank)"
     )
+    print("  Ulysses beside the ring (the same model, sequence and tokens per rank):")
+    print(
+        "  cp  tokens  activations/rank (ring)  sent fwd+bwd MiB: ring / Ulysses buffers (leave)"
+        "  step s: ring / Ulysses"
+    )
+    for r in rows[1:]:
+        u, cp = r["ulysses"], r["cp"]
+        ring_sent = sum(r["sent_mib_per_rank"].values())
+        buffers, leave = sum(u["all_to_all_buffers_mib_per_rank"].values()), sum(u["leaves_rank_mib_per_rank"].values())
+        print(
+            f"  {cp:>2}  {args.tokens_per_rank * cp:>6}  {u['activation_mib_per_rank_max']:>8.2f} MiB "
+            f"({r['activation_mib_per_rank_max']:.2f})  {ring_sent:>8.2f} / {buffers:.2f} ({leave:.2f})"
+            f"{'':>24}{r['step_s_overlap_max_rank']:>6.3f} / {u['step_s_max_rank']:.3f}"
+        )
     record = {"seq_len_memory": args.seq_len, "tokens_per_rank_time": args.tokens_per_rank, "runs": rows}
     record["measured_with"] = "autograd saved-tensor hooks (bytes kept for backward); time.perf_counter per step"
     RESULTS.mkdir(parents=True, exist_ok=True)

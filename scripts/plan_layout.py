@@ -64,7 +64,7 @@ from common.pipeline import (
     stages_of_rank,
 )
 from common.presets import MODEL_PRESETS
-from common.sharded_costs import ddp_state_bytes
+from common.sharded_costs import ddp_state_bytes, ulysses_bytes_per_layer
 from train_tp import tensor_parallel_plan
 
 GiB = 2**30
@@ -587,7 +587,10 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         if exposed >= worst["exposed"]:
             worst = {"exposed": exposed, **seconds}
     ring = ring_traffic(cfg, layout, args, micro_batch, bf16, links)
-    step_s = compute_s / (1 - bubble) + worst["exposed"] + max(0.0, ring["seconds"] - compute_s)  # CP: overlapped
+    if args.cp_impl == "ulysses":  # CP: the all-to-alls wait for their data: on the critical path
+        step_s = compute_s / (1 - bubble) + worst["exposed"] + ring["seconds"]
+    else:
+        step_s = compute_s / (1 - bubble) + worst["exposed"] + max(0.0, ring["seconds"] - compute_s)  # overlapped
     tokens_per_s = tokens_per_replica * layout.dp / step_s
 
     step0, first0 = traffic[0]
@@ -622,15 +625,30 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": round(flops_per_token(cfg, n_params, args.seq_len) * tokens_per_s / (peak * layout.world_size), 4),
         "global_batch_size": args.batch_size * layout.dp,
-        **({"ring_bytes_per_layer": ring["per_layer"], "ring_s": round(ring["seconds"], 6)} if layout.cp > 1 else {}),
+        **(cp_record(ring, args.cp_impl) if layout.cp > 1 else {}),
     }
+
+
+def cp_record(traffic: dict, impl: str) -> dict:
+    """What a plan says of CP's traffic: the ring's K/V bytes per layer, or Ulysses' all-to-all buffers."""
+    if impl == "ulysses":
+        return {
+            "cp_impl": impl,
+            "ulysses_all_to_all_bytes_per_layer": traffic["per_layer"],
+            "ulysses_all_to_all_calls_per_layer": traffic["calls_per_layer"],
+            "ulysses_s": round(traffic["seconds"], 6),
+        }
+    return {"cp_impl": impl, "ring_bytes_per_layer": traffic["per_layer"], "ring_s": round(traffic["seconds"], 6)}
 
 
 def ring_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links: dict) -> dict:
     """Context parallelism's ring (train_cp.py), per rank: a K/V block is 2 x micro-batch x seq/cp x d/tp;
     per layer and micro-batch (cp-1) blocks in forward, (cp-1) K/V plus cp dK/dV blocks in backward. A ring
     of tp x cp consecutive ranks stays inside a node while it fits; its time is bytes over the measured
-    point-to-point bandwidth (preflight's ring_p2p), else the link's all-reduce bandwidth."""
+    point-to-point bandwidth (preflight's ring_p2p), else the link's all-reduce bandwidth.
+    --cp_impl ulysses: ulysses_traffic instead."""
+    if args.cp_impl == "ulysses":
+        return ulysses_traffic(cfg, layout, args, micro_batch, bf16, links)
     block = 2 * micro_batch * (args.seq_len // layout.cp) * cfg.n_embd // layout.tp * (2 if bf16 else 4)
     per_layer = {"forward": (layout.cp - 1) * block, "backward": (2 * layout.cp - 1) * block}
     link = links["intra_node" if layout.tp * layout.cp <= args.gpus_per_node else "inter_node"]
@@ -639,6 +657,24 @@ def ring_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links:
     calls = 2 * layout.cp * layers * args.n_microbatches if layout.cp > 1 else 0
     total = sum(per_layer.values()) * layers * args.n_microbatches
     return {"per_layer": per_layer, "seconds": total / (bandwidth * 1e9) + calls * link["latency_us"] * 1e-6}
+
+
+def ulysses_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links: dict) -> dict:
+    """Ulysses (train_cp.py --cp_impl ulysses), per rank, layer and micro-batch: 4 all-to-alls in forward (q,
+    k, v to head shards, the output back) and 4 in backward, each a buffer of micro-batch x seq/cp tokens x
+    heads x head_dim (the K/V heads arrive repeated to the query heads: the model's attention contract);
+    (cp-1)/cp of each leaves the rank, at the link's bandwidth, and nothing computes meanwhile."""
+    q_width = cfg.n_head * (getattr(cfg, "head_dim", None) or cfg.n_embd // cfg.n_head)
+    per_layer = ulysses_bytes_per_layer(micro_batch, args.seq_len, layout.cp, q_width, q_width, 2 if bf16 else 4)
+    link = links["intra_node" if layout.cp <= args.gpus_per_node else "inter_node"]
+    layers = math.ceil(cfg.n_layer / layout.pp)
+    calls = per_layer["calls"] * layers * args.n_microbatches if layout.cp > 1 else 0
+    moved = (per_layer["forward"] + per_layer["backward"]) * per_layer["leaves"] * layers * args.n_microbatches
+    return {
+        "per_layer": {"forward": per_layer["forward"], "backward": per_layer["backward"]},
+        "calls_per_layer": per_layer["calls"],
+        "seconds": moved / (link["bandwidth_GBps"] * 1e9) + calls * link["latency_us"] * 1e-6,
+    }
 
 
 # ======================================== which layouts
@@ -679,6 +715,8 @@ def why_invalid(layout: Layout, cfg: GPTConfig, args) -> str | None:
             raise UsageError(
                 f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches}"
             )
+        if layout.cp > 1 and args.cp_impl == "ulysses" and (layout.tp > 1 or layout.pp > 1):
+            raise UsageError("--cp_impl ulysses runs in train_cp.py, which has no TP or PP: --tp_size 1 --pp_size 1")
         if layout.pp > 1:
             check_pipeline_layout(layout, cfg.n_layer, args)
         elif args.stages_per_rank > 1:
@@ -790,6 +828,13 @@ def build_args() -> argparse.ArgumentParser:
         default=1,
         help="context parallel (train_cp.py): ranks that cut each sequence, kept fixed; activations per rank "
         "/ cp, plus the ring's K/V traffic; the other degrees multiply to --world_size / cp",
+    )
+    g.add_argument(
+        "--cp_impl",
+        choices=["ring", "ulysses"],
+        default="ring",
+        help="how --cp_size cuts (train_cp.py --cp_impl): ring, K/V around the ranks (hidden behind compute); "
+        "ulysses, 8 all-to-alls per layer (q, k, v, output; forward and backward), the heads divisible by cp",
     )
     g = p.add_argument_group("training step (as the training scripts take it)")
     g.add_argument(
@@ -916,10 +961,18 @@ def check_args(args, hf: HFShape | None = None) -> GPTConfig | HFShape:
         raise UsageError(
             f"--seq_len {args.seq_len} exceeds the model's --block_size {cfg.block_size}: raise --block_size"
         )
-    if args.cp_size < 1 or args.world_size % args.cp_size or (args.cp_size > 1 and args.seq_len % (2 * args.cp_size)):
+    chunks = 2 * args.cp_size if args.cp_impl == "ring" else args.cp_size  # head-tail, or chunk r of cp
+    if args.cp_size < 1 or args.world_size % args.cp_size or (args.cp_size > 1 and args.seq_len % chunks):
+        cut = "2 x cp must divide" if args.cp_impl == "ring" else "cp must divide"
         raise UsageError(
-            f"--cp_size {args.cp_size} must divide --world_size {args.world_size}, and 2 x cp must divide --seq_len "
-            f"{args.seq_len} (head-tail chunks): choose a --cp_size that divides both"
+            f"--cp_size {args.cp_size} must divide --world_size {args.world_size}, and {cut} --seq_len "
+            f"{args.seq_len} ({'head-tail chunks' if args.cp_impl == 'ring' else 'Ulysses'}): choose a --cp_size "
+            "that divides both"
+        )
+    if args.cp_size > 1 and args.cp_impl == "ulysses" and cfg.n_head % args.cp_size:
+        raise UsageError(
+            f"--cp_size {args.cp_size} --cp_impl ulysses cuts the attention heads over {args.cp_size} ranks, but "
+            f"the model has {cfg.n_head} query heads: use a --cp_size that divides the heads, or --cp_impl ring"
         )
     world = args.world_size // args.cp_size  # what the four other degrees multiply to
     fixed = [getattr(args, d) for d in DIMS if getattr(args, d) is not None]

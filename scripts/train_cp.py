@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Context parallelism (CP): ring attention over a sequence cut into pieces, under 🤗 Accelerate.
+"""Context parallelism (CP): ring attention or Ulysses' all-to-all over a sequence cut into pieces, under 🤗 Accelerate.
 
 Long sequences run out of activation memory before they run out of weights: every layer keeps
 activations of size batch x tokens x width. CP cuts every sequence over `cp` ranks; each rank runs
@@ -15,10 +15,17 @@ travel around a ring of the CP ranks, one block per step, while this rank comput
         chunk:   0  1  2  3  4  5  6  7
         rank:    0  1  2  3  3  2  1  0     rank r holds chunks r and 2cp-1-r: every rank the same work
 
+    --cp_impl ulysses (DeepSpeed-Ulysses): rank r holds chunk r of cp; in every layer an all-to-all turns
+    q, k, v (batch, heads, tokens/cp, d) into (batch, heads/cp, tokens, d): whole sequences, cp-th of the
+    heads; fused causal SDPA; an all-to-all brings the output back. 4 all-to-alls forward, 4 backward,
+    each b x s/cp x d per rank, (cp-1)/cp of it sent: half the ring's bytes at cp 2, 3/10 at cp 4, but
+    not hidden behind compute, and the heads must divide by cp.
+
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_cp.py \\
         --dataset pystdlib --block_size 1024
     accelerate launch ... --num_processes 4 scripts/train_cp.py --cp_size 2   # dp 2 x cp 2 (FSDP over all 4)
+    accelerate launch ... scripts/train_cp.py --cp_impl ulysses               # all-to-all instead of the ring
     python scripts/train_cp.py                     # one process: nothing to cut, the ring is not installed
 Gradients reduce over dp x cp (CP ranks hold the same weights): FSDP shards over the flattened
 dp_shard x cp mesh, as torchtitan's dp_shard_cp. Data parallel beside CP shards the data by the dp
@@ -36,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.distributed.fsdp import FSDPModule
@@ -50,23 +58,24 @@ from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.sharded import clip_grad_norm_, shard_loader
-from common.sharded_costs import sharded_start_line, sharded_summary
+from common.sharded_costs import sharded_start_line, sharded_summary, ulysses_bytes_per_layer
 from common.task import check_task_contract
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 from train_fsdp import apply_fsdp
 
 
 # ======================================== CP: the strategy
-def ring_carries(task, model, device) -> tuple[float, int]:
-    """What the ring carries, measured on the model through the contract alone (Task.set_attention,
-    Task.forward_at): one forward of 2 tokens with a recording attention in every layer gives the K/V width
-    as the attention receives it (heads x head_dim; grouped KV heads arrive repeated) and the layers that
-    call it. -> (width, layers), for the ring's bytes."""
-    widths = []
+def attention_shapes(task, model, device) -> dict:
+    """What CP carries, measured on the model through the contract alone (Task.set_attention,
+    Task.forward_at): one forward of 2 tokens with a recording attention in every layer gives the query and
+    K/V heads and widths as the attention receives them (heads x head_dim; grouped KV heads may arrive
+    repeated) and the layers that call it: the ring's and Ulysses' bytes, and Ulysses' head check."""
+    seen = []
 
     def recording_attention(q, k, v, dropout_p=0.0):
-        widths.append((k.shape[1] * k.shape[-1] + v.shape[1] * v.shape[-1]) / 2)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        kv_width = (k.shape[1] * k.shape[-1] + v.shape[1] * v.shape[-1]) / 2
+        seen.append((q.shape[1], k.shape[1], q.shape[1] * q.shape[-1], kv_width))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
     was_training = model.training
     model.eval()
@@ -77,7 +86,8 @@ def ring_carries(task, model, device) -> tuple[float, int]:
     finally:
         task.set_attention(model, None)
         model.train(was_training)
-    return (widths[0] if widths else 0), len(widths)
+    q_heads, kv_heads, q_width, width = seen[0] if seen else (0, 0, 0, 0)
+    return {"q_heads": q_heads, "kv_heads": kv_heads, "q_width": q_width, "width": width, "layers": len(seen)}
 
 
 def head_tail_chunks(cp: int) -> list[list[int]]:
@@ -235,10 +245,95 @@ def ring_attention(ring: Ring):
     return attention
 
 
-def apply_context_parallel(model, task, layout: Layout):
-    """Every attention layer of the model becomes the ring over this rank's CP group (head-tail chunks);
-    returns the attention function installed."""
-    attention = ring_attention(Ring(layout.group("cp"), head_tail_chunks(layout.cp)))
+# ---------------------------------------- CP: Ulysses, the other way to cut the sequence
+#   (DeepSpeed-Ulysses; the Ultra-Scale Playbook). cp = 2, 4 heads, rank r holds chunk r of the tokens:
+#       before attention    rank 0: tokens 0..T/2, heads 0-3     rank 1: tokens T/2..T, heads 0-3
+#       all-to-all (q, k, v: send heads j to rank j)
+#       attention           rank 0: tokens 0..T,   heads 0-1     rank 1: tokens 0..T,   heads 2-3
+#       all-to-all back (the output: send tokens of rank j to rank j)
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single over the CP group: dim 0 of `x` is cut into cp pieces, piece j goes to rank j, and
+    piece j of the result came from rank j. Its backward is the same exchange of the gradient (what came
+    from rank j goes back to it). Gloo has all_to_all_single; the functional collective (what the run's
+    collective counter sees) is waited for here."""
+
+    @staticmethod
+    def forward(ctx, x, ulysses):
+        ctx.ulysses = ulysses
+        return ulysses.exchange(x, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.ulysses.exchange(grad, "backward"), None
+
+
+class Ulysses:
+    """The all-to-alls of one CP group: which chunks of a sequence each rank holds, what was sent (the
+    buffers each rank hands to all_to_all_single; (cp-1)/cp of each leaves the rank)."""
+
+    def __init__(self, group, chunks_of: list[list[int]]):
+        self.group, self.chunks_of = group, chunks_of
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = [c for chunks in chunks_of for c in chunks]  # the chunks in the order the all-to-all brings
+        self.back = torch.tensor(gathered)  # sequence -> that order
+        self.to_sequence = torch.argsort(self.back)  # that order -> the sequence's (identity for chunk r of cp)
+        self.in_order = gathered == sorted(gathered)
+        self.sent_bytes = {"forward": 0, "backward": 0}
+
+    def exchange(self, x: torch.Tensor, phase: str) -> torch.Tensor:
+        x = x.contiguous()
+        self.sent_bytes[phase] += x.nbytes
+        return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, self.group))  # CP: all-to-all
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, tokens/cp, d), this rank's tokens -> (batch, heads/cp, tokens, d), the whole sequence."""
+        B, H, T, D = x.shape
+        n = len(self.chunks_of[self.rank])  # chunks per rank
+        pieces = x.reshape(B, self.size, H // self.size, T, D).transpose(0, 1)  # piece j: heads for rank j
+        x = AllToAll.apply(pieces, self).permute(1, 2, 0, 3, 4)  # CP: (B, H/cp, rank, T, D): rank j's tokens
+        x = x.reshape(B, H // self.size, self.size * n, T // n, D)  # in chunks, in the order of the ranks
+        if not self.in_order:  # CP: the chunks back in the sequence's order
+            x = x.index_select(2, self.to_sequence.to(x.device))
+        return x.reshape(B, H // self.size, self.size * T, D)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, heads/cp, tokens, d) -> (batch, heads, tokens/cp, d): this rank's tokens, every head."""
+        B, h, S, D = x.shape
+        n = len(self.chunks_of[self.rank])
+        x = x.reshape(B, h, self.size * n, S // (self.size * n), D)
+        if not self.in_order:
+            x = x.index_select(2, self.back.to(x.device))
+        pieces = x.reshape(B, h, self.size, S // self.size, D).permute(2, 0, 1, 3, 4)  # piece j: rank j's tokens
+        x = AllToAll.apply(pieces, self)  # CP: piece j: heads of rank j, for this rank's tokens
+        return x.transpose(0, 1).reshape(B, self.size * h, S // self.size, D)
+
+
+def ulysses_attention(ulysses: Ulysses):
+    """The attention function the model calls in place of causal SDPA (Task.set_attention): q, k, v to head
+    shards of whole sequences, the fused kernel, the output back to this rank's tokens."""
+
+    def attention(q, k, v, dropout_p: float = 0.0):
+        q, k, v = (ulysses.seq_to_heads(t) for t in (q, k, v))  # CP: 3 all-to-alls: tokens/cp -> heads/cp
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return ulysses.heads_to_seq(out)  # CP: the 4th all-to-all: heads/cp -> tokens/cp
+
+    attention.ulysses = ulysses  # what it sent (the summary)
+    return attention
+
+
+def cp_chunks(cp: int, impl: str = "ring") -> list[list[int]]:
+    """Which chunks each rank holds: the ring balances the causal work with head-tail chunks (2 x cp);
+    Ulysses computes whole sequences on every rank, already balanced: chunk r of cp."""
+    return head_tail_chunks(cp) if impl == "ring" else contiguous_chunks(cp)
+
+
+def apply_context_parallel(model, task, layout: Layout, impl: str = "ring"):
+    """Every attention layer of the model becomes the ring (head-tail chunks) or Ulysses' all-to-alls
+    (chunk r of cp) over this rank's CP group; returns the attention function installed."""
+    if impl == "ulysses":
+        attention = ulysses_attention(Ulysses(layout.group("cp"), cp_chunks(layout.cp, impl)))
+    else:
+        attention = ring_attention(Ring(layout.group("cp"), cp_chunks(layout.cp, impl)))
     task.set_attention(model, attention)  # CP: the model contract's hook (Task.set_attention)
     return attention
 
@@ -275,10 +370,11 @@ def ring_bytes_per_step(layout: Layout, batch_size: int, seq_len: int, width: in
     return {"forward": forward, "backward": backward}
 
 
-def cp_loss(task, layout: Layout, device):
+def cp_loss(task, layout: Layout, device, impl: str = "ring"):
     """The loss of this rank's tokens of a micro-batch, `with loss(model, micro_batch) as loss_sum:`, a context
     its backward runs in (PyTorch's context_parallel must see both). Chosen once, for cp_forward_backward:
-    without CP the whole sequence; under the ring this rank's chunks (r and 2cp-1-r) at their real positions."""
+    without CP the whole sequence; under the ring this rank's chunks (r and 2cp-1-r), under Ulysses chunk r of
+    cp (cp_chunks), at their real positions."""
     if layout.cp == 1:
 
         @contextmanager
@@ -286,9 +382,9 @@ def cp_loss(task, layout: Layout, device):
             yield task.loss_of(model, mb)[0]
 
         return whole_sequence_loss
-    # CP: this rank's tokens, at the same positions of every sequence (chunks r and 2cp-1-r), and their targets
-    chunks = head_tail_chunks(layout.cp)[layout.cp_rank]
-    positions = rank_positions(task.tokens_per_sample, chunks, 2 * layout.cp, device)
+    # CP: this rank's tokens, at the same positions of every sequence (its chunks), and their targets
+    chunks_of = cp_chunks(layout.cp, impl)
+    positions = rank_positions(task.tokens_per_sample, chunks_of[layout.cp_rank], sum(map(len, chunks_of)), device)
 
     @contextmanager
     def ring_loss(model, mb):
@@ -317,14 +413,33 @@ def cp_forward_backward(
     return step_loss_sum
 
 
-def cp_start_line(layout: Layout, args, seq_len: int, kv_shape) -> tuple[str, dict | None]:
-    """What the run's first lines say of CP, and the ring's traffic per rank and optimizer step (the formula;
-    None without CP). `kv_shape`: the K/V width and the layers (ring_carries)."""
+def ulysses_bytes_per_step(layout: Layout, batch_size: int, seq_len: int, shapes: dict, accum: int) -> dict:
+    """Ulysses' all-to-all buffers per rank and optimizer step, fp32 (sharded_costs.ulysses_bytes_per_layer):
+    per layer q, k, v in and the output back in forward, the same four in backward, each b x s/cp x width."""
+    per_layer = ulysses_bytes_per_layer(batch_size, seq_len, layout.cp, shapes["q_width"], shapes["width"], 4)
+    return {k: per_layer[k] * shapes["layers"] * accum for k in ("forward", "backward")}
+
+
+def cp_start_line(layout: Layout, args, seq_len: int, kv_shape, impl: str = "ring") -> tuple[str, dict | None]:
+    """What the run's first lines say of CP, and its traffic per rank and optimizer step (the formula;
+    None without CP). `kv_shape`: what the attention receives (attention_shapes)."""
     if layout.cp == 1:
         return "context parallel over 1 rank: nothing to cut, so the ring attention is not installed", None
-    ring_formula = ring_bytes_per_step(layout, args.batch_size, seq_len, *kv_shape, args.gradient_accumulation_steps)
+    if impl == "ulysses":
+        formula = ulysses_bytes_per_step(layout, args.batch_size, seq_len, kv_shape, args.gradient_accumulation_steps)
+        heads = kv_shape["q_heads"] // layout.cp
+        cp_line = (
+            f"context parallel (Ulysses): {layout.cp} ranks per group x {layout.dp} data-parallel; each rank holds "
+            f"{seq_len // layout.cp} of the {seq_len} tokens (chunk r of {layout.cp}) and attends over all of them "
+            f"with {heads} of the {kv_shape['q_heads']} heads; all-to-all buffers per rank and step: "
+            f"{formula['forward'] / 2**20:.3f} MiB forward, {formula['backward'] / 2**20:.3f} MiB backward "
+            f"({layout.cp - 1}/{layout.cp} of it leaves the rank); FSDP over dp x cp = {layout.dp * layout.cp} ranks"
+        )
+        return cp_line, formula
+    width, layers, accum = kv_shape["width"], kv_shape["layers"], args.gradient_accumulation_steps
+    ring_formula = ring_bytes_per_step(layout, args.batch_size, seq_len, width, layers, accum)
     cp_line = (
-        f"context parallel: {layout.cp} ranks per ring x {layout.dp} data-parallel; each rank "
+        f"context parallel (ring): {layout.cp} ranks per ring x {layout.dp} data-parallel; each rank "
         f"holds {seq_len // layout.cp} of the {seq_len} tokens (chunks r and {2 * layout.cp - 1}-r of "
         f"{2 * layout.cp}); ring traffic per rank and step: {ring_formula['forward'] / 2**20:.3f} MiB forward, "
         f"{ring_formula['backward'] / 2**20:.3f} MiB backward; FSDP over dp x cp = {layout.dp * layout.cp} ranks"
@@ -332,12 +447,13 @@ def cp_start_line(layout: Layout, args, seq_len: int, kv_shape) -> tuple[str, di
     return cp_line, ring_formula
 
 
-def ring_traffic(ring: Ring, ring_formula: dict, steps: int) -> dict:
-    """The summary's measured ring traffic of the run, per rank and step, beside the formula's."""
+def ring_traffic(sender, ring_formula: dict, steps: int, name: str = "ring") -> dict:
+    """The summary's measured traffic of the run (`sender`: the Ring, or Ulysses and its all-to-all buffers,
+    name "all_to_all"), per rank and step, beside the formula's."""
     steps = max(steps, 1)
     return {
-        "ring_mib_per_step_rank": {k: round(v / steps / 2**20, 4) for k, v in ring.sent_bytes.items()},
-        "ring_formula_mib_per_step_rank": {k: round(v / 2**20, 4) for k, v in ring_formula.items()},
+        f"{name}_mib_per_step_rank": {k: round(v / steps / 2**20, 4) for k, v in sender.sent_bytes.items()},
+        f"{name}_formula_mib_per_step_rank": {k: round(v / 2**20, 4) for k, v in ring_formula.items()},
     }
 
 
@@ -356,18 +472,35 @@ def check_cp(layout: Layout, model, task, args) -> None:
     in the ring, nothing else that cuts the sequence."""
     if layout.cp > 1:
         task.set_attention(model, None)  # a Task that cannot replace the model's attention says so here
-    seq_len = task.tokens_per_sample
-    if layout.cp > 1 and (not seq_len or seq_len % (2 * layout.cp)):
+    seq_len, impl = task.tokens_per_sample, getattr(args, "cp_impl", "ring")
+    if layout.cp > 1 and impl == "ulysses" and (not seq_len or seq_len % layout.cp):
+        raise UsageError(
+            f"--cp_size {layout.cp} --cp_impl ulysses cuts each {seq_len}-token sequence into {layout.cp} chunks, "
+            f"which does not divide it: use a --block_size divisible by {layout.cp}"
+        )
+    if layout.cp > 1 and impl == "ring" and (not seq_len or seq_len % (2 * layout.cp)):
         raise UsageError(
             f"--cp_size {layout.cp} cuts each {seq_len}-token sequence into 2 x cp = {2 * layout.cp} chunks "
             f"(head-tail balancing), which does not divide it: use a --block_size divisible by {2 * layout.cp}"
         )
     if layout.cp > 1 and (args.dropout or 0) > 0:
-        raise UsageError("--dropout: the ring attention has no dropout: use --dropout 0, or train without --cp_size")
+        raise UsageError("--dropout: CP's attention has no dropout: use --dropout 0, or train without --cp_size")
     sequence_parallel, loss_parallel = getattr(args, "sequence_parallel", False), getattr(args, "loss_parallel", False)
     if layout.cp > 1 and (layout.pp > 1 or sequence_parallel or loss_parallel):
         flag = "--pp_size" if layout.pp > 1 else "--sequence_parallel" if sequence_parallel else "--loss_parallel"
         raise UsageError(f"{flag} beside --cp_size is not supported yet (the ring cuts the sequence): drop one of them")
+
+
+def check_ulysses_heads(layout: Layout, shapes: dict) -> None:
+    """Ulysses cuts the heads over the CP ranks: the query heads and the K/V heads (as the attention receives
+    them, attention_shapes) must divide by cp, one line otherwise."""
+    q_heads, kv_heads = shapes["q_heads"], shapes["kv_heads"]
+    if q_heads % layout.cp or kv_heads % layout.cp:
+        kv = f" and {kv_heads} K/V heads" if kv_heads != q_heads else ""
+        raise UsageError(
+            f"--cp_size {layout.cp} --cp_impl ulysses cuts the attention heads over {layout.cp} ranks, but the model "
+            f"has {q_heads} query heads{kv}: use a --cp_size that divides the heads, or --cp_impl ring"
+        )
 
 
 def main():
@@ -382,6 +515,14 @@ def main():
         type=int,
         default=-1,
         help="ranks that cut each sequence between them: all processes (-1); the other factor is data parallel",
+    )
+    g.add_argument(
+        "--cp_impl",
+        choices=["ring", "ulysses"],
+        default="ring",
+        help="ring: K/V travel around the ranks, any head count (sequence divisible by 2 x cp); ulysses: an "
+        "all-to-all turns sequence shards into head shards, fused attention on whole sequences, an all-to-all "
+        "back: fewer bytes (half the ring's at cp 2), but the heads (and K/V heads) must divide by cp (docs/cp.md)",
     )
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/cp"
@@ -424,19 +565,21 @@ def main():
     units = task.units(model)  # the repeated units: one FSDP unit each, --compile
     n_params, model_line = count_parameters(model), task.describe(model)
     check_cp(layout, model, task, args)  # CP: a model without them is refused, one line
-    kv_shape = ring_carries(task, model, accelerator.device) if layout.cp > 1 else None  # CP: the ring's bytes
+    kv_shape = attention_shapes(task, model, accelerator.device) if layout.cp > 1 else None  # CP: bytes, heads
+    if layout.cp > 1 and args.cp_impl == "ulysses":
+        check_ulysses_heads(layout, kv_shape)  # CP: Ulysses cuts the heads: they divide by cp, or one line
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- CP: the strategy
     attention = None
     if layout.cp > 1:  # CP: every attention layer becomes the ring over the CP group
-        attention = apply_context_parallel(model, task, layout)
+        attention = apply_context_parallel(model, task, layout, args.cp_impl)
     if args.compile:
         compile_units(units, accelerator)
     if layout.world_size > 1:  # FSDP over dp_shard x cp: gradients reduce over both (CP ranks hold the same weights)
         apply_fsdp(units, [model], layout.fsdp_mesh, accelerator.mixed_precision)
-    loss_of = cp_loss(task, layout, accelerator.device)  # the loss of this rank's tokens
+    loss_of = cp_loss(task, layout, accelerator.device, args.cp_impl)  # the loss of this rank's tokens
     grad_scale = layout.dp * layout.cp  # FSDP averages the gradients over dp x cp ranks: the step scales back
 
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
@@ -461,7 +604,7 @@ def main():
     )
     predict = whole_sequence_predict(model, task, attention, layout)  # CP: evaluation reads whole sequences
     monitor = RunMonitor(accelerator, args, "train_cp", feed, layout.world_size, global_batch_size)
-    cp_line, ring_formula = cp_start_line(layout, args, task.tokens_per_sample, kv_shape)  # CP: ring and traffic
+    cp_line, ring_formula = cp_start_line(layout, args, task.tokens_per_sample, kv_shape, args.cp_impl)  # CP: bytes
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
     monitor.start(task, model_line, n_params, data, [cp_line, costs], resume_path, layout)
 
@@ -495,8 +638,9 @@ def main():
     if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
-    if attention:  # CP: measured ring traffic of the run vs the formula
-        costs |= ring_traffic(attention.ring, ring_formula, step - progress["step"])
+    if attention:  # CP: measured traffic of the run (the ring's, or the all-to-all buffers) vs the formula
+        sender, name = (attention.ulysses, "all_to_all") if args.cp_impl == "ulysses" else (attention.ring, "ring")
+        costs |= {"cp_impl": args.cp_impl} | ring_traffic(sender, ring_formula, step - progress["step"], name)
     monitor.summary(step, preempted=feed.preempted, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

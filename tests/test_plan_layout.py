@@ -223,6 +223,35 @@ def test_context_parallel_cuts_activations_and_adds_the_ring(monkeypatch, capsys
     assert "ring_bytes_per_layer" not in plain
 
 
+def test_ulysses_plans_its_all_to_alls(monkeypatch, capsys):
+    """--cp_impl ulysses: the same activations as the ring, and per layer 4 all-to-all buffers in forward (q, k,
+    v, the output) and 4 in backward, each micro-batch x seq/cp x d (train_cp.py's formula, which
+    tests/test_cp_ulysses.py checks against a run's counted bytes); the all-to-alls wait for their data, so
+    the step is slower than compute by their whole time; heads that cp does not divide: one line."""
+    flags = ("--model_size", "1b", "--mixed_precision", "bf16", "--seq_len", "2048", "--batch_size", "8")
+    layout = ("--world_size", "16", "--cp_size", "4", "--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "4")
+    ring = plan(monkeypatch, capsys, *flags, *layout, "--tp_size", "1")[0]
+    ulysses = plan(monkeypatch, capsys, *flags, *layout, "--tp_size", "1", "--cp_impl", "ulysses")[0]
+    assert ulysses["cp_impl"] == "ulysses" and "ring_bytes_per_layer" not in ulysses
+    act = [r["per_pp_rank"][0]["activation_bytes_per_microbatch"] for r in (ring, ulysses)]
+    assert act[0] == act[1]
+    buffer = 1 * (2048 // 4) * 2048 * 2  # one micro-batch, seq/cp tokens, d wide, bf16
+    assert ulysses["ulysses_all_to_all_bytes_per_layer"] == {"forward": 4 * buffer, "backward": 4 * buffer}
+    assert ulysses["ulysses_all_to_all_calls_per_layer"] == 8
+    assert ulysses["step_time_s"] >= ulysses["compute_s"] + ulysses["ulysses_s"] > ulysses["compute_s"]
+    # the ring carries (cp-1) K/V blocks forward and (2cp-1) backward, each 2 x micro-batch x seq/cp x d:
+    # 10 blocks (20 buffers) at cp 4, against Ulysses' 8 buffers, of which 3/4 leave the rank
+    ring_total = sum(ring["ring_bytes_per_layer"].values())
+    assert ring_total == 10 * 2 * buffer and sum(ulysses["ulysses_all_to_all_bytes_per_layer"].values()) == 8 * buffer
+    says = usage_error(monkeypatch, capsys, *flags, *layout, "--tp_size", "1", "--cp_impl", "ulysses", "--n_head", "2")
+    assert (
+        "--cp_size 4 --cp_impl ulysses cuts the attention heads over 4 ranks, but the model has 2 query heads" in says
+    )
+    tp_layout = ("--world_size", "16", "--cp_size", "4", "--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "2")
+    tp = usage_error(monkeypatch, capsys, *flags, *tp_layout, "--tp_size", "2", "--cp_impl", "ulysses")
+    assert "--cp_impl ulysses runs in train_cp.py, which has no TP or PP" in tp
+
+
 # ----------------------------------------------------------------------------- a 🤗 config (--model_config)
 def real_model(config_path):
     """The model the training scripts build from --model_config (fp32, untied, the byte vocabulary)."""

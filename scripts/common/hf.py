@@ -589,13 +589,13 @@ class HFCausalLMTask(CausalLMTask):
             n = kinds.count("sliding_attention")
             raise UsageError(
                 f"--cp_size: {family} attends within a sliding window of {window} tokens in {n} of its {n_layers} "
-                f"layers, shorter than the {seq_len}-token sequence, and the ring computes full causal attention "
-                "only: train it without --cp_size"
+                f"layers, shorter than the {seq_len}-token sequence, and context parallelism (ring or Ulysses) "
+                "computes full causal attention only: train it without --cp_size"
             )
         if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
             raise UsageError(
-                f"--cp_size: {family}'s attention has learned sinks (an extra logit in every softmax), which the "
-                "ring's softmax does not hold: train it without --cp_size"
+                f"--cp_size: {family}'s attention has learned sinks (an extra logit in every softmax), which "
+                "context parallelism's softmax does not hold: train it without --cp_size"
             )
         for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
             if getattr(c, key, None):

@@ -142,3 +142,13 @@ def sharded_summary(
             else {}
         ),
     }
+
+
+def ulysses_bytes_per_layer(micro_batch: int, seq_len: int, cp: int, q_width: int, kv_width: int, elem: int) -> dict:
+    """Ulysses' all-to-alls (train_cp.py --cp_impl ulysses) per rank, layer and micro-batch: the buffers each
+    rank hands to all_to_all_single, every one micro_batch x seq_len/cp tokens wide. Forward: q, k and v in
+    (to head shards) and the output back (q's width); backward the same four, of their gradients. (cp-1)/cp
+    of each buffer leaves the rank (`leaves`); the rest stays. `elem`: bytes per value (4 fp32, 2 bf16)."""
+    one = micro_batch * (seq_len // cp) * elem
+    forward = one * (q_width + 2 * kv_width + q_width)
+    return {"forward": forward, "backward": forward, "calls": 8, "leaves": (cp - 1) / cp}
