@@ -65,7 +65,7 @@ def main():
     parser = build_parser(__doc__)
     from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
 
-    add_builtin_flags(parser, moe=True)  # and the GPT's experts (--n_experts ...): drop both for your own
+    add_builtin_flags(parser, moe=True)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("data parallel")
     g.add_argument("--sync_batchnorm", action="store_true", help=SYNC_BATCHNORM_HELP)
     args = parser.parse_args()
@@ -154,7 +154,7 @@ def main():
             micro_batches, n_global_targets = feed.next_step()
             # DDP: forward and backward of each micro-batch; the gradient all-reduce runs inside the last backward
             loss_sum = ddp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-            # Accelerate: the whole model's norm (fp16 gradients unscaled first); --max_grad_norm 0 only measures
+            # DDP: Accelerate's clipping unscales fp16 gradients first; the whole model's norm (0: measured only)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()

@@ -305,7 +305,7 @@ def main():
     parser = build_parser(__doc__)
     from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
 
-    add_builtin_flags(parser, moe=True)  # and the GPT's experts (--n_experts ...): drop both for your own
+    add_builtin_flags(parser, moe=True)  # data and a model of your own: drop these two lines
     parser.set_defaults(n_experts=None)  # EP: the built-in GPT's 8 experts, or a 🤗 model's own (check_moe_flags)
     g = parser.add_argument_group("expert parallel")
     g.add_argument("--ep_size", type=int, help="ranks the experts are cut over (default: all processes)")

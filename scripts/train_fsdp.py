@@ -107,7 +107,7 @@ def main():
     parser = build_parser(__doc__)
     from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
 
-    add_builtin_flags(parser, moe=True)  # and the GPT's experts (--n_experts ...): drop both for your own
+    add_builtin_flags(parser, moe=True)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("fully sharded data parallel")
     g.add_argument("--dp_replicate", type=int, default=1, help="HSDP: replicate over N groups, shard inside each")
     reshard = "ZeRO-3: free each unit's gathered weights after forward (--no-reshard_after_forward: ZeRO-2 like)"
@@ -225,7 +225,7 @@ def main():
                 loss_sum = fsdp_forward_backward(  # FSDP: a reduce-scatter per micro-batch, or per step (unsharded)
                     accelerator, model, task, micro_batches, n_global_targets, dp_size, unsharded
                 )  # FSDP: the step's loss sum
-            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's norm, every rank
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # FSDP: the shards' norm, every rank
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # FSDP: each rank updates its own shard
             scheduler.step()

@@ -468,7 +468,7 @@ def main():
             micro_batches, n_global_targets = feed.next_step()
             # Local SGD: forward and backward of each micro-batch; the gradients stay on this rank
             loss_sum = local_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-            # Local SGD: this replica's own norm (Accelerate unscales fp16 gradients first)
+            # Local SGD: this replica's own norm (Accelerate's clipping unscales fp16 gradients first)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()

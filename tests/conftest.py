@@ -211,6 +211,19 @@ def launch_tiny(script: str, out, data_cache: str, *flags: str, **kwargs) -> sub
 
 
 @pytest.fixture(scope="session")
+def text_files(tmp_path_factory):
+    """Text of this Python's argparse.py as --train_file (and its first 2,300 characters as --validation_file):
+    context parallel's long sequences (tests/test_cp.py, tests/test_cp_ulysses.py)."""
+    import argparse
+
+    folder = tmp_path_factory.mktemp("cp_text")
+    source = open(argparse.__file__, encoding="utf-8").read()
+    (folder / "train.txt").write_text(source)
+    (folder / "validation.txt").write_text(source[:2300])
+    return ["--train_file", str(folder / "train.txt"), "--validation_file", str(folder / "validation.txt")]
+
+
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory, data_cache):
     """The single-process train_ddp.py run every strategy is compared with, built once per
     set of flags for the whole session: reference(*flags) -> its output directory."""

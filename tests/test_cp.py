@@ -33,18 +33,6 @@ MAX_STEPS = 6
 STEPS = list(range(1, MAX_STEPS + 1))
 
 
-@pytest.fixture(scope="session")
-def text_files(tmp_path_factory):
-    """Sequences of 256 byte-tokens: train on argparse.py of this Python (389 samples), validate on 8."""
-    import argparse
-
-    folder = tmp_path_factory.mktemp("cp_text")
-    source = open(argparse.__file__, encoding="utf-8").read()
-    (folder / "train.txt").write_text(source)
-    (folder / "validation.txt").write_text(source[:2300])
-    return ["--train_file", str(folder / "train.txt"), "--validation_file", str(folder / "validation.txt")]
-
-
 def flags(text_files, batch_size: int) -> list[str]:
     return [*text_files, "--block_size", "256", "--max_steps", str(MAX_STEPS), "--batch_size", str(batch_size)]
 

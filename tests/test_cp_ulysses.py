@@ -35,16 +35,12 @@ BATCH = 4  # global batch; one data-parallel rank, so every CP rank reads all of
 SEQ = 64  # tokens per sample (the tiny GPT's context): 64 / cp tokens per rank
 
 
-@pytest.fixture(scope="module")
-def text_files(tmp_path_factory):
-    """64-token byte sequences of argparse.py (train), its first 2,300 characters (validation)."""
-    import argparse
-
-    folder = tmp_path_factory.mktemp("ulysses_text")
-    source = open(argparse.__file__, encoding="utf-8").read()
-    (folder / "train.txt").write_text(source)
-    (folder / "validation.txt").write_text(source[:2300])
-    return ["--train_file", str(folder / "train.txt"), "--validation_file", str(folder / "validation.txt")]
+def hf_config(folder, model_type: str, **extra):
+    """A tiny 🤗 config file (2 layers, 8 query heads, 4 KV heads) of `model_type`."""
+    config = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    config |= {"num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 64, **extra}
+    (folder / f"{model_type}.json").write_text(json.dumps(config))
+    return folder / f"{model_type}.json"
 
 
 def flags(text_files) -> list[str]:
@@ -98,20 +94,7 @@ def test_llama_with_grouped_kv_heads_matches_single_process(tmp_path, data_cache
     """A tiny 🤗 Llama (8 query heads, 4 KV heads, rotary positions) at cp 2 through transformers'
     AttentionInterface: 4 steps of 16-token addition rows (answers of unequal length) within 1e-5 of one
     process; its all-to-all bytes as counted match the formula (the KV heads arrive repeated to 8)."""
-    config = tmp_path / "llama.json"
-    config.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 4,
-                "max_position_embeddings": 64,
-            }
-        )
-    )
+    config = hf_config(tmp_path, "llama")
     common = [*TINY, "--max_steps", "4", "--addition_digits", "4", "--eval_batch_size", "500"]
     common += ["--model_config", str(config), "--batch_size", "16", "--data_cache_dir", data_cache]
     launch("train_ddp.py", [*common, "--output_dir", str(tmp_path / "one")])
@@ -158,21 +141,7 @@ def test_heads_that_cp_does_not_divide_are_refused(tmp_path, text_files, data_ca
 def test_a_sliding_window_is_refused_not_ignored(tmp_path, data_cache):
     """Mistral with an 8-token window on 16-token rows: the all-to-all's kernel is plain causal attention (the
     contract passes no mask), so Ulysses refuses it as the ring does, one line, rather than train other scores."""
-    config = tmp_path / "mistral.json"
-    config.write_text(
-        json.dumps(
-            {
-                "model_type": "mistral",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 4,
-                "max_position_embeddings": 64,
-                "sliding_window": 8,
-            }
-        )
-    )
+    config = hf_config(tmp_path, "mistral", sliding_window=8)
     out = tmp_path / "run"
     args = [*TINY, "--addition_digits", "4", "--model_config", str(config), "--cp_impl", "ulysses"]
     result = launch(
