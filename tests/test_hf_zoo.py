@@ -7,8 +7,9 @@ Every cell either matches the one-process train_ddp.py run within 1e-5 per step 
 line (exit 2) naming the real limit. EXPECTED holds the refusals: a cell that starts being refused, or
 stops being refused, fails the test, and a run that ends 0 with other losses always does.
 
-One launch per script runs all ten families in turn (tests/zoo_driver.py): start-up, not training,
-is what a tiny run costs here. The table in docs/your-model.md is this test's output:
+Two launches run every cell in turn (tests/zoo_driver.py), one of 2 processes for the 2-process columns
+and one of 4 for the hybrid's, beside the one-process reference's: start-up, not training, is what a
+tiny run costs here. The table in docs/your-model.md is this test's output:
 
     ZOO_TABLE=zoo.md python -m pytest tests/test_hf_zoo.py -n 0 -s
 """
@@ -86,18 +87,41 @@ def zoo(tmp_path_factory, data_cache):
     return {"configs": configs, "ref": {family: train_losses(ref_dir / family) for family in FAMILIES}}
 
 
+@pytest.fixture(scope="module")
+def runs(zoo, data_cache, tmp_path_factory):
+    """runs(column) -> (its output folder, each family's result): every column of one process count in one
+    launch, the first time one of them is asked for."""
+    done = {}
+
+    def run(column: str):
+        if column not in done:
+            nproc = next(n for c, _, n, _ in COLUMNS if c == column)
+            columns = [(c, s, f) for c, s, n, f in COLUMNS if n == nproc]
+            folder = tmp_path_factory.mktemp(f"zoo_{nproc}")
+            cases = []
+            named = {c: folder / c.split(" (")[0].replace(" ", "") for c, _, _ in columns}  # "ddp 2" -> ddp2/
+            for c, script, flags in columns:
+                cases += cases_for(script, flags, FAMILIES, zoo["configs"], named[c], data_cache)
+            results = run_in_turn(cases, nproc, folder)
+            for i, (c, _, _) in enumerate(columns):
+                done[c] = named[c], results[i * len(FAMILIES) : (i + 1) * len(FAMILIES)]
+        return done[column]
+
+    return run
+
+
 TABLE: dict = {}
 
 
 @pytest.mark.parametrize("column, script, nproc, flags", COLUMNS, ids=[c[0].split(" (")[0] for c in COLUMNS])
-def test_every_family_matches_or_is_refused(column, script, nproc, flags, zoo, data_cache, tmp_path):
-    results = run_in_turn(cases_for(script, flags, FAMILIES, zoo["configs"], tmp_path, data_cache), nproc, tmp_path)
+def test_every_family_matches_or_is_refused(column, script, nproc, flags, zoo, runs):
+    folder, results = runs(column)
     wrong = []
     for family, result in zip(FAMILIES, results, strict=True):
         errors = [line for line in result["stderr"].splitlines() if line.startswith("error:")]
         expected = EXPECTED.get((column, family))
         if result["returncode"] == 0:
-            ref, got = zoo["ref"][family], train_losses(tmp_path / family)
+            ref, got = zoo["ref"][family], train_losses(folder / family)
             diff = max(abs(ref[s] - got[s]) for s in STEPS) if all(s in got for s in STEPS) else float("inf")
             TABLE[(column, family)] = f"{diff:.1e}"
             if diff > 1e-5:
