@@ -13,7 +13,10 @@
 4. the same three figures for Ulysses (train_cp.py --cp_impl ulysses) beside the ring: activations at
    --seq_len, the all-to-all buffers each rank sent against the formula (per layer q, k, v and the output,
    forward and backward, each b x s/cp x d; (cp-1)/cp of it leaves the rank), and the step time at the
-   same tokens per rank (sequences of 4k and 8k tokens at cp 2 and 4): fused attention on whole sequences.
+   same tokens per rank (sequences of 4k and 8k tokens at cp 2 and 4): fused attention on whole sequences;
+5. attention alone (forward + backward, --tokens_per_rank per rank): the ring, whose blocks are fused kernel
+   calls, against the fused one-process kernel (causal SDPA) on the same attention FLOPs per rank, run on
+   every rank at once so that both meet the same load. The goal: the ring at most 1.3x.
 
     python benchmarks/bench_cp.py [--seq_len 8192] [--tokens_per_rank 2048] [--iters 3]
 
@@ -48,6 +51,41 @@ def saved_bytes(run) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
     return sum(storages.values()), out
+
+
+def attention_seconds(group, cp: int, tokens: int, iters: int) -> dict:
+    """Attention alone, forward + backward, on every rank of the job at once (4 heads x 16 dims, the tiny
+    GPT's): the ring over the cp ranks, `tokens` per rank in head-tail chunks; and, on the same ranks, the
+    fused one-process kernel (causal SDPA) on the same attention FLOPs per rank: cp sequences of `tokens`
+    (the ring's rank computes 2cp + 1 blocks of (tokens/2)², two of them causal: cp x tokens²/2 scores
+    per head, as cp causal sequences of `tokens` do). Alternated, the fastest of `iters` each (after a
+    warm-up): both meet the same load on the shared cores."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from train_cp import Ring, RingAttention, head_tail_chunks
+
+    heads, head_dim = 4, 16
+
+    def timed(batch: int, attend) -> float:
+        q, k, v, dout = (torch.randn(batch, heads, tokens, head_dim, requires_grad=i < 3) for i in range(4))
+        dist.barrier(group)
+        start = time.perf_counter()
+        attend(q, k, v).backward(dout)
+        return time.perf_counter() - start
+
+    def ring(q, k, v):
+        return RingAttention.apply(q, k, v, Ring(group, head_tail_chunks(cp)))
+
+    def fused(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    times = {"ring": [], "fused": []}
+    for _ in range(iters + 1):
+        if cp > 1:
+            times["ring"].append(timed(1, ring))
+        times["fused"].append(timed(cp, fused))
+    return {f"attention_s_{name}": min(t[1:]) for name, t in times.items() if t}
 
 
 def worker(args) -> None:
@@ -119,6 +157,7 @@ def worker(args) -> None:
         result["ulysses_formula_mib"] = {k: v / MIB for k, v in formula.items()}
         times = [step(args.tokens_per_rank * cp, True, impl="ulysses")[1] for _ in range(args.iters + 1)][1:]
         result["ulysses_step_s"] = min(times)
+    result |= attention_seconds(group, cp, args.tokens_per_rank, args.iters)  # attention alone, ring vs fused
     every = [None] * cp
     dist.all_gather_object(every, result)
     if rank == 0:
@@ -126,9 +165,14 @@ def worker(args) -> None:
             "cp": cp,
             "activation_mib_per_rank_max": max(r["activation_mib"] for r in every),
             "step_s_overlap_max_rank": max(r["step_s_overlap"] for r in every),
+            "attention_s_fused_max_rank": max(r["attention_s_fused"] for r in every),
         }
         if cp > 1:
             merged["step_s_no_overlap_max_rank"] = max(r["step_s_no_overlap"] for r in every)
+            merged["attention_s_ring_max_rank"] = max(r["attention_s_ring"] for r in every)
+            merged["attention_ring_vs_fused"] = round(
+                merged["attention_s_ring_max_rank"] / merged["attention_s_fused_max_rank"], 3
+            )
             merged["sent_mib_per_rank"] = every[0]["sent_mib"]
             merged["formula_mib_per_rank"] = every[0]["formula_mib"]
             merged["ulysses"] = {
@@ -211,6 +255,15 @@ def main():
             f"({r['activation_mib_per_rank_max']:.2f})  {ring_sent:>8.2f} / {buffers:.2f} ({leave:.2f})"
             f"{'':>24}{r['step_s_overlap_max_rank']:>6.3f} / {u['step_s_max_rank']:.3f}"
         )
+    print(
+        f"  attention alone, forward + backward, {args.tokens_per_rank} tokens per rank, 4 heads x 16 dims, every "
+        "rank at once: the ring vs the fused kernel (causal SDPA) on the same FLOPs per rank (cp sequences)"
+    )
+    print("  cp  ring s  fused s  ring / fused (goal <= 1.3)")
+    for r in rows:
+        ring = f"{r['attention_s_ring_max_rank']:.3f}" if r["cp"] > 1 else "-"
+        ratio = f"{r['attention_ring_vs_fused']:.2f}" if r["cp"] > 1 else "-"
+        print(f"  {r['cp']:>2}  {ring:>6}  {r['attention_s_fused_max_rank']:>7.3f}  {ratio:>5}")
     record = {"seq_len_memory": args.seq_len, "tokens_per_rank_time": args.tokens_per_rank, "runs": rows}
     record["measured_with"] = "autograd saved-tensor hooks (bytes kept for backward); time.perf_counter per step"
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -155,21 +155,60 @@ class Ring:
         return recv
 
 
-def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
-    s = (q @ k.transpose(-2, -1)) * scale
-    if diagonal:  # the same chunk: causal inside it
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+# ---------------------------------------- CP: one block of the ring, the fused kernel that returns the log-sum-exp
+#   The kernel PyTorch's own ring attention calls, chosen by device: on CPUs the flash kernel for CPUs; on CUDA
+#   flash (fp16/bf16, no mask) or memory-efficient (fp32, or a mask). `attn_mask` (None today) is where a mask
+#   reaches the kernel: a bool or additive mask of (rows, keys) on CPUs, an additive one on CUDA.
+def _cuda_flash(q, attn_mask) -> bool:
+    return attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def block_attention(q, k, v, causal: bool, scale: float, attn_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the query rows `q` over one K/V block: its output and the log-sum-exp of every row,
+    (batch, heads, rows) fp32 contiguous. `causal`: a diagonal block (a chunk over its own keys)."""
+    aten = torch.ops.aten
+    if not q.is_cuda:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=attn_mask, scale=scale
+        )
+    elif _cuda_flash(q, attn_mask):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+    else:
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, 0.0, causal, scale=scale)
+        lse = lse[..., : q.shape[2]]  # its rows come padded to a multiple of 32
+    return out, lse.float().contiguous()  # the CPU kernel's is laid out (batch, rows, heads)
+
+
+def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float, attn_mask=None):
+    """dq, dk, dv of one block, given the MERGED output and log-sum-exp of its rows (over every block they
+    attend to): the kernel's exp(S - lse) is then this block's share of the whole row's softmax, and its
+    rowsum(dO * O) the whole row's, so the block's gradients are exact parts of the whole."""
+    aten = torch.ops.aten
+    if not q.is_cuda:
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=attn_mask, scale=scale
+        )
+    no_rng = torch.empty((), dtype=torch.long)  # dropout's seed and offset: what the kernels return without dropout
+    if _cuda_flash(q, attn_mask):
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng, scale=scale
+        )
+    lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # the efficient kernel's layout: rows padded to a multiple of 32
+    grads = aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, attn_mask, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale
+    )
+    return grads[:3]
 
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the keys/values of the whole ring.
 
-    Forward: step s attends to the K/V block of rank (r - s) while the next block travels; the
-    partial outputs merge through the log-sum-exp (flash attention's online softmax). Backward: the
-    K/V go round again; dK/dV of each block accumulate on every rank it visits and reach their
-    owner after cp passes; each pass overlaps the next block's compute."""
+    Forward: step s attends to the K/V block of rank (r - s) while the next block travels; each block is one
+    fused kernel call (block_attention) returning its output and log-sum-exp, and the partial outputs merge
+    through the log-sum-exp (flash attention's online softmax). Backward: the K/V go round again; each block
+    is the kernel's backward with the merged output and log-sum-exp of its rows; dK/dV of each block
+    accumulate on every rank it visits and reach their owner after cp passes; each pass overlaps the next
+    block's compute."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring):
@@ -177,17 +216,17 @@ class RingAttention(torch.autograd.Function):
         scale = D**-0.5
         mine = ring.chunks_of[ring.rank]
         c = T // len(mine)
-        out = torch.zeros_like(q)
-        lse = torch.full((B, H, T), float("-inf"), dtype=q.dtype, device=q.device)
+        out = torch.zeros_like(q, dtype=torch.float32)  # merged in fp32, in the layout of q (the model transposes it)
+        lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             pending = ring.start_pass(kv, 0, "forward") if step < ring.size - 1 else None  # CP: next block travels
             for i, j, diagonal in causal_blocks(mine, ring.chunks_of[source]):  # CP: ... while this one computes
-                rows = slice(i * c, (i + 1) * c)
-                s = _scores(q[:, :, rows], kv[0][:, :, j * c : (j + 1) * c], diagonal, scale)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.exp(s - block_lse[..., None]) @ kv[1][:, :, j * c : (j + 1) * c]
+                rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                block_out, block_lse = block_attention(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], diagonal, scale
+                )
                 new_lse = torch.logaddexp(lse[:, :, rows], block_lse)  # CP: merge by log-sum-exp
                 out[:, :, rows] = (
                     out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
@@ -197,6 +236,7 @@ class RingAttention(torch.autograd.Function):
                 ring.blocks_computed += 1
             if pending is not None:
                 kv = Ring.finish(pending)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out
@@ -210,7 +250,6 @@ class RingAttention(torch.autograd.Function):
         mine = ring.chunks_of[ring.rank]
         c = T // len(mine)
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1)  # (B, H, T): rowsum(dO * O)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v]).contiguous()
         dkv_pending = None
@@ -220,12 +259,19 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv)  # this rank's share of the visiting block's dK, dV
             for i, j, diagonal in causal_blocks(mine, ring.chunks_of[source]):
                 rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
-                qi, kj, vj = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-                p = torch.exp(_scores(qi, kj, diagonal, scale) - lse[:, :, rows, None])
-                dkv[1][:, :, cols] += p.transpose(-2, -1) @ dout[:, :, rows]
-                ds = p * (dout[:, :, rows] @ vj.transpose(-2, -1) - delta[:, :, rows, None])
-                dq[:, :, rows] += (ds @ kj) * scale
-                dkv[0][:, :, cols] += (ds.transpose(-2, -1) @ qi) * scale
+                dqi, dkj, dvj = block_attention_backward(  # CP: the kernel's backward, the rows' merged out and lse
+                    dout[:, :, rows],
+                    q[:, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    out[:, :, rows],
+                    lse[:, :, rows].contiguous(),
+                    diagonal,
+                    scale,
+                )
+                dq[:, :, rows] += dqi
+                dkv[0][:, :, cols] += dkj
+                dkv[1][:, :, cols] += dvj
             if dkv_pending is not None:  # CP: the block's dK/dV so far, from the ranks it visited before
                 dkv += Ring.finish(dkv_pending)
             dkv_pending = ring.start_pass(dkv, 1, "backward")  # CP: dK/dV travel on with their block
