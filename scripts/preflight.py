@@ -51,7 +51,7 @@ from accelerate.utils import get_int_from_env
 
 from common.cli import HelpFormatter
 from common.errors import UsageError
-from common.faults import report_to_launcher
+from common.faults import interface_of, report_to_launcher, route_address
 from common.launch import WORLD_SIZE_VARS, check_launch, run_main
 
 FORMAT = "preflight/1"
@@ -427,26 +427,62 @@ def open_listener(address: str) -> socket.socket:
 
 def probe_peers(me: dict, members: list[dict], timeout: float) -> list[str]:
     """Connect to one rank on every other node (the same local rank where there is one). Returns one
-    line per peer that could not be reached."""
+    line per peer that could not be reached; where the peer's address is not on its route to the
+    rendezvous, the line also says whether that route's interface reaches it."""
     peers = []
     for node in sorted({m["node"] for m in members} - {me["node"]}):
         on_node = [m for m in members if m["node"] == node]
         peers.append(next((m for m in on_node if m["local_rank"] == me["local_rank"]), on_node[0]))
 
-    def problem(peer: dict) -> str | None:
+    def reaches(address: str, port: int) -> str | None:
         try:
-            socket.create_connection((peer["address"], peer["port"]), timeout=timeout).close()
+            socket.create_connection((address, port), timeout=timeout).close()
             return None
         except OSError as e:
-            loopback = ", a loopback address other hosts cannot reach" if peer["address"].startswith("127.") else ""
-            return (
-                f"rank {me['rank']} (host {me['host']}, node {me['node']}) cannot reach rank {peer['rank']} "
-                f"(host {peer['host']}, node {peer['node']}) at {peer['address']}:{peer['port']} "
-                f"({e.strerror or str(e) or type(e).__name__}; address from {peer['address_from']}{loopback})"
-            )
+            return e.strerror or str(e) or type(e).__name__
+
+    def problem(peer: dict) -> str | None:
+        error = reaches(peer["address"], peer["port"])
+        if error is None:
+            return None
+        loopback = ", a loopback address other hosts cannot reach" if peer["address"].startswith("127.") else ""
+        interface = f", interface {peer['interface']}" if peer.get("interface") else ""
+        line = (
+            f"rank {me['rank']} (host {me['host']}, node {me['node']}) cannot reach rank {peer['rank']} "
+            f"(host {peer['host']}, node {peer['node']}) at {peer['address']}:{peer['port']} "
+            f"({error}; address from {peer['address_from']}{interface}{loopback})"
+        )
+        if peer.get("route_port"):  # its collectives' address is not the one on its route to the rendezvous
+            other = reaches(peer["route_address"], peer["route_port"])
+            answer = "reaches it" if other is None else f"does not reach it either ({other})"
+            line += f"; its {peer['route_interface']} ({peer['route_address']}) {answer}"
+        return line
 
     with ThreadPoolExecutor(max_workers=16) as pool:  # all at once: each unreachable peer costs `timeout`
         return [line for line in pool.map(problem, peers) if line]
+
+
+def interface_advice(members: list[dict], unreachable: list[str]) -> str | None:
+    """When every unreachable peer answered on the interface of its route to the rendezvous: the
+    GLOO_SOCKET_IFNAME to set, and on which nodes (those whose collectives' address is elsewhere)."""
+    if not unreachable or not all(line.endswith(" reaches it") for line in unreachable):
+        return None
+    wrong = [m for m in members if m["route_port"]]
+    by_interface: dict[str, list[int]] = defaultdict(list)
+    for m in wrong:
+        if m["node"] not in by_interface[m["route_interface"]]:
+            by_interface[m["route_interface"]].append(m["node"])
+    every = {m["node"] for m in wrong} == {m["node"] for m in members}
+    fixes = [
+        f"GLOO_SOCKET_IFNAME={name} (NCCL_SOCKET_IFNAME={name} on GPUs) on "
+        + ("every node" if every and len(by_interface) == 1 else f"node {', '.join(map(str, nodes))}")
+        for name, nodes in by_interface.items()
+    ]
+    source = wrong[0]["address_from"]
+    return (
+        f"the collectives' address ({source}) is on a network the other nodes cannot reach, and the interface "
+        f"that reaches the rendezvous reaches them: set {'; '.join(fixes)}"
+    )
 
 
 # ----------------------------------------------------------------------------- 3. measure
@@ -646,6 +682,9 @@ def main():
     # ---------------------------------------- 1. join: every rank reaches the rendezvous and checks in
     address, address_from = network_address(backend, launch["master"], rank)
     listener = open_listener(address) if world_size > 1 and address != "?" else None
+    # the interface on this host's route to the rendezvous: the one to name when `address` is not reachable
+    on_route = route_address(launch["master"][0])
+    route_listener = open_listener(on_route) if listener and on_route not in (None, address) else None
     me = {
         "rank": rank,
         "local_rank": launch["local_rank"],
@@ -656,6 +695,10 @@ def main():
         "address": address,
         "address_from": address_from,
         "port": listener.getsockname()[1] if listener else None,
+        "interface": interface_of(address),
+        "route_address": on_route,
+        "route_interface": interface_of(on_route),
+        "route_port": route_listener.getsockname()[1] if route_listener else None,
     }
     store = connect_store(launch, args.timeout) if world_size > 1 else None
     watchdog = Watchdog(store, launch, args.timeout) if world_size > 1 else None
@@ -677,7 +720,7 @@ def main():
         reports = gather_on_store(store, "reach", launch, problems, args.timeout, "did not report within {timeout} s")
         unreachable = [line for lines in reports for line in lines]
         if unreachable:
-            advice = (
+            advice = interface_advice(members, unreachable) or (
                 "the address comes from GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (or the host name): set it to the "
                 "interface of the network the nodes share, and open the ports between the nodes"
             )

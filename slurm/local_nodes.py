@@ -13,6 +13,9 @@ every node under torchrun's multi-node rendezvous, exactly as on real hosts.
 On node i it runs, inside that namespace, what one would type on host i:
     GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 torchrun --nnodes N --node_rank i --nproc_per_node P \\
         --master_addr 10.77.0.1 --master_port 29500 SCRIPT FLAGS...
+With --decoy_interface every node also has eth1 (10.78.0.i), a network no other node is on, and its host
+name resolves there: with --socket_ifname none (no GLOO_SOCKET_IFNAME) gloo listens on eth1 and the nodes
+cannot connect, the trouble of a real host with a Docker bridge or a second network card.
 Every namespace has its own ports, so two runs never collide; names carry this process's id
 (`ln<pid><letter>`), so two runs' interfaces do not either. Everything is torn down at the end, on
 Ctrl-C, SIGTERM and on failure (`--cleanup` removes what a killed run left). The bytes each node's
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 IFNAME = "eth0"  # each node's interface, as on a real host (each namespace has its own names)
+DECOY_IFNAME = "eth1"  # --decoy_interface: a second interface, on a network no other node is on
 MASTER_PORT = 29500  # node 0's rendezvous port: free in a fresh namespace
 ETC_NETNS = Path("/etc/netns")
 NAME = re.compile(r"^ln(\d+)[a-z]")  # ln<pid><letter>: the prefix of one run's namespaces and links
@@ -114,13 +118,22 @@ class LocalNodes:
     """`with LocalNodes(2, rate="20mbit") as nodes: nodes.run("scripts/train_ddp.py", [...], 2)`:
     the namespaces exist inside the block and are removed when it ends, whatever ends it."""
 
-    def __init__(self, n_nodes: int, rate: str | None = None, subnet: str = "10.77.0.0/24"):
+    def __init__(
+        self,
+        n_nodes: int,
+        rate: str | None = None,
+        subnet: str = "10.77.0.0/24",
+        decoy: bool = False,
+        decoy_subnet: str = "10.78.0.0/24",
+    ):
         if n_nodes < 1:
             raise ValueError("at least one node")
-        self.n_nodes, self.rate = n_nodes, rate
+        self.n_nodes, self.rate, self.decoy = n_nodes, rate, decoy
         self.prefix = f"ln{os.getpid()}{chr(ord('a') + next(_letters) % 26)}"
         hosts = ipaddress.ip_network(subnet).hosts()
         self.addresses = [str(next(hosts)) for _ in range(n_nodes)]
+        decoys = ipaddress.ip_network(decoy_subnet).hosts()
+        self.decoy_addresses = [str(next(decoys)) for _ in range(n_nodes)] if decoy else []
         self.prefixlen = ipaddress.ip_network(subnet).prefixlen
         self.bridge = f"{self.prefix}br"
         self.namespaces = [f"{self.prefix}-n{i}" for i in range(n_nodes)]
@@ -146,6 +159,8 @@ class LocalNodes:
                 _must("-n", ns, "addr", "add", f"{self.addresses[i]}/{self.prefixlen}", "dev", IFNAME)
                 _must("-n", ns, "link", "set", IFNAME, "up")
                 _must("-n", ns, "link", "set", "lo", "up")  # the node's own ranks talk over its loopback
+                if self.decoy:
+                    self._add_decoy(i, ns)
                 if self.rate:  # both directions of the link: what leaves the node, what enters it
                     tbf = ["root", "tbf", "rate", self.rate, "burst", "64kb", "latency", "400ms"]
                     _run_checked(["tc", "qdisc", "add", "dev", host_end, *tbf])
@@ -154,6 +169,20 @@ class LocalNodes:
             self.close()
             raise
         return self
+
+    def _add_decoy(self, i: int, ns: str) -> None:
+        """A second interface, eth1, on a network of its own: a veth whose other end stays in the root
+        namespace, up but on no bridge. Like a Docker bridge, a VPN or a management network on a real
+        host, it reaches no other node: a packet to another node's eth1 address leaves eth1 and nobody
+        answers. The node's host name resolves to it (_write_etc), so gloo, which binds to the address
+        of the host name unless GLOO_SOCKET_IFNAME says otherwise, listens there."""
+        host_end, node_end = f"{self.prefix}d{i}", f"{self.prefix}e{i}"
+        _must("link", "add", host_end, "type", "veth", "peer", "name", node_end)
+        _must("link", "set", host_end, "up")
+        _must("link", "set", node_end, "netns", ns)
+        _must("-n", ns, "link", "set", node_end, "name", DECOY_IFNAME)
+        _must("-n", ns, "addr", "add", f"{self.decoy_addresses[i]}/24", "dev", DECOY_IFNAME)
+        _must("-n", ns, "link", "set", DECOY_IFNAME, "up")
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -169,6 +198,8 @@ class LocalNodes:
             _ip("netns", "del", ns)
         for i in range(self.n_nodes):
             _ip("link", "del", f"{self.prefix}h{i}")  # already gone unless the namespace was never made
+            if self.decoy:
+                _ip("link", "del", f"{self.prefix}d{i}")
         _ip("link", "del", self.bridge)
         for ns in self.namespaces:
             _remove_etc(ns)
@@ -180,8 +211,10 @@ class LocalNodes:
         etc = ETC_NETNS / ns
         etc.mkdir(parents=True, exist_ok=True)
         names = "".join(f"{a} {self.prefix}-node{i}\n" for i, a in enumerate(self.addresses))
-        # the namespaces share this host's name: there, it is the node's own address
-        own = self.addresses[self.namespaces.index(ns)]
+        # the namespaces share this host's name: there, it is the node's own address (its eth1's
+        # with --decoy_interface, where gloo's own choice then cannot reach the other nodes)
+        i = self.namespaces.index(ns)
+        own = self.decoy_addresses[i] if self.decoy else self.addresses[i]
         (etc / "hosts").write_text(f"127.0.0.1 localhost\n{own} {socket.gethostname()}\n{names}")
         (etc / "resolv.conf").write_text("# local_nodes.py: no name server inside the namespaces\n")
 
@@ -195,8 +228,10 @@ class LocalNodes:
         ).stdout.split()
         return dict(zip(names, map(int, out), strict=True))
 
-    def node_command(self, rank: int, script: str, args: list[str], nproc_per_node: int) -> list[str]:
-        """What one would type on host `rank`, run inside its namespace."""
+    def node_command(
+        self, rank: int, script: str, args: list[str], nproc_per_node: int, launcher_args: list[str] = ()
+    ) -> list[str]:
+        """What one would type on host `rank`, run inside its namespace (`launcher_args` go to torchrun)."""
         return [
             "ip",
             "netns",
@@ -215,6 +250,7 @@ class LocalNodes:
             self.addresses[0],
             "--master_port",
             str(MASTER_PORT),
+            *launcher_args,
             script,
             *args,
         ]
@@ -228,17 +264,24 @@ class LocalNodes:
         env: dict | None = None,
         cwd: str | Path | None = None,
         stream: bool = False,
+        socket_ifname: str | None = IFNAME,
+        launcher_args: list[str] = (),
     ) -> RunResult:
-        """Run `script args` on every node at once; wait for all (or kill all at `timeout`)."""
+        """Run `script args` on every node at once; wait for all (or kill all at `timeout`).
+        `socket_ifname=None` sets no GLOO_SOCKET_IFNAME: gloo then picks the interface itself."""
         env = dict(os.environ if env is None else env)
-        env.update(GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        if socket_ifname:
+            env.update(GLOO_SOCKET_IFNAME=socket_ifname)
+        else:
+            env.pop("GLOO_SOCKET_IFNAME", None)
         env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
         before = [self.counters(r) for r in range(self.n_nodes)]
         out = None if stream else subprocess.PIPE
         start, result = time.monotonic(), RunResult()
         procs = [
             subprocess.Popen(
-                self.node_command(r, script, args, nproc_per_node),
+                self.node_command(r, script, args, nproc_per_node, list(launcher_args)),
                 cwd=cwd,
                 env=env,
                 stdout=out,
@@ -351,6 +394,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="kill every node after this many seconds")
     parser.add_argument("--counters", help="write each node's interface counters over the run to this JSON file")
     parser.add_argument("--cleanup", action="store_true", help="remove what killed runs left behind, then exit")
+    parser.add_argument(
+        "--decoy_interface",
+        action="store_true",
+        help=f"give every node a second interface, {DECOY_IFNAME} (10.78.0.i), on a network no other node is on, and "
+        "make the node's host name resolve to it, as a Docker bridge or a second card can on a real host: gloo, "
+        f"without GLOO_SOCKET_IFNAME, listens there and the nodes cannot connect (with --socket_ifname none)",
+    )
+    parser.add_argument(
+        "--socket_ifname",
+        default=IFNAME,
+        help=f"the GLOO_SOCKET_IFNAME each node gets (default: {IFNAME}); 'none' sets none, so gloo picks the "
+        "interface itself, from the host name",
+    )
+    parser.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="torchrun's --max_restarts on every node: restart the workers after a failure, with "
+        "--resume_from_checkpoint auto (default: 0)",
+    )
     parser.add_argument("script", nargs="?", help="the training script, e.g. scripts/train_ddp.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its flags")
     args = parser.parse_args(argv)
@@ -373,14 +436,28 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: a background job inherits it ignored
         signal.signal(signum, stop)
     try:
-        with LocalNodes(args.nodes, rate=args.rate) as nodes:
+        with LocalNodes(args.nodes, rate=args.rate, decoy=args.decoy_interface) as nodes:
+            decoy = (
+                f", host names on {DECOY_IFNAME} ({', '.join(nodes.decoy_addresses)})" if args.decoy_interface else ""
+            )
+            socket_ifname = None if args.socket_ifname.lower() == "none" else args.socket_ifname
             print(
                 f"{name}: {args.nodes} nodes x {args.nproc_per_node} processes, "
                 f"{', '.join(f'{ns} {a}' for ns, a in zip(nodes.namespaces, nodes.addresses, strict=True))} "
-                f"({IFNAME} each), links {args.rate or 'unthrottled'}; rendezvous {nodes.addresses[0]}:{MASTER_PORT}",
+                f"({IFNAME} each{decoy}), links {args.rate or 'unthrottled'}; rendezvous "
+                f"{nodes.addresses[0]}:{MASTER_PORT}; GLOO_SOCKET_IFNAME={socket_ifname or '(not set)'}",
                 flush=True,
             )
-            result = nodes.run(args.script, args.script_args, args.nproc_per_node, args.timeout, stream=True)
+            restarts = ["--max_restarts", str(args.max_restarts)] if args.max_restarts else []
+            result = nodes.run(
+                args.script,
+                args.script_args,
+                args.nproc_per_node,
+                args.timeout,
+                stream=True,
+                socket_ifname=socket_ifname,
+                launcher_args=restarts,
+            )
     except NetnsUnavailable as error:
         print(f"error: {name}: cannot make network namespaces here: {error}", file=sys.stderr)
         return 2

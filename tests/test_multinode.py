@@ -6,7 +6,12 @@ interface (eth0) and address, and torchrun's multi-node rendezvous on node 0's a
   (within 1e-5, fp32); DiLoCo on 2 nodes gives its own 1-node run's;
 - bytes on the wire: each node's eth0 counters (read inside its namespace) against the run's own
   accounting, once the measured TCP/IP headers (66 B a packet) are taken off: within 5%. For HSDP only the
-  replicate all-reduce crosses the link; the shard collectives stay on each node's loopback.
+  replicate all-reduce crosses the link; the shard collectives stay on each node's loopback;
+- two interfaces (--decoy_interface): the host name resolves to eth1, which reaches no other node, and no
+  GLOO_SOCKET_IFNAME is set: preflight.py names eth0 and the GLOO_SOCKET_IFNAME to set, and train_ddp.py
+  fails within --collective_timeout with one `error:` line on each node naming it;
+- a link down for 20 s mid-run under torchrun --max_restarts 3 with --resume_from_checkpoint auto: the run
+  restarts by itself and ends with the uninterrupted run's losses, exactly.
 
 All runs share one pair of namespaces (a module fixture), removed at the end with every process in them.
 Needs root (CAP_NET_ADMIN): elsewhere the tests skip with the reason; as root (our CI runs as root) or
@@ -20,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +40,7 @@ from conftest import (
     assert_same_evals,
     assert_same_losses,
     job_env,
+    read_metrics,
     summary,
     train_losses,
 )
@@ -223,3 +230,126 @@ def test_rate_limits_both_ends_of_every_link():
             assert "tbf" in host and "rate 50Mbit" in host, host
             assert "tbf" in node and "rate 50Mbit" in node, node
     assert not leftovers(made.prefix)
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def run_side_by_side(*jobs) -> list:
+    """Run each job (a function of no arguments) in a thread of its own; their results, in order."""
+    results: list = [None] * len(jobs)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]())) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_the_interface_gloo_picks_cannot_reach_the_peers(tmp_path, data_cache):
+    """Each node has eth0 (the nodes' network) and eth1 (a network of its own, which its host name resolves to),
+    and no GLOO_SOCKET_IFNAME: gloo listens on eth1. preflight.py finds that the peers do not answer there but do
+    on eth0, and says GLOO_SOCKET_IFNAME=eth0; train_ddp.py ends within --collective_timeout (10 s) with one
+    `error:` line on each node naming GLOO_SOCKET_IFNAME=eth0, NCCL_SOCKET_IFNAME and eth1, never hanging
+    (without the deadline, rank 0 waited 100 s in gloo's connect with a timeout of 20). Two pairs of nodes,
+    side by side: both jobs spend most of their time waiting, not computing."""
+    if netns_reason():
+        pytest.skip(netns_reason())
+    timeout, env = 10, job_env()
+    train = [*TINY, "--max_steps", "4", "--collective_timeout", str(timeout), "--data_cache_dir", data_cache]
+    check = ["--sizes", "4K", "--iters", "1", "--timeout", str(timeout), "--output", str(tmp_path / "pf.json")]
+    with local_nodes.LocalNodes(2, decoy=True) as a, local_nodes.LocalNodes(2, decoy=True) as b:
+        trained, checked = run_side_by_side(
+            lambda: a.run(
+                "scripts/train_ddp.py",
+                [*train, "--output_dir", str(tmp_path / "ddp")],
+                1,
+                120,
+                env,
+                REPO,
+                socket_ifname=None,
+            ),
+            lambda: b.run("scripts/preflight.py", check, 1, 120, env, REPO, socket_ifname=None),
+        )
+    assert not trained.timed_out and not checked.timed_out
+    assert not leftovers(a.prefix) and not leftovers(b.prefix)  # eth1's veths too
+    for node in trained.nodes:
+        lines = error_lines(node.stderr)
+        assert node.returncode == 1 and len(lines) == 1, (node.returncode, node.stderr[-3000:])
+        line = lines[0]
+        assert line.startswith(f"error: set-up: rank {node.rank} (host "), line
+        # the deadline's words, or gloo's own where it gave up first
+        assert f"(not connected after {timeout} s)" in line or "(Gloo connectFullMesh failed with " in line, line
+        assert f"gloo listens on {a.decoy_addresses[node.rank]} (the address host name " in line, line
+        assert "interface eth1), which the other nodes cannot reach" in line, line
+        assert "set GLOO_SOCKET_IFNAME=eth0 (NCCL_SOCKET_IFNAME=eth0 on GPUs) on every node" in line, line
+    # start-up (a few s a process on 2 cores) plus the 10 s: gloo alone waited 100 s with a timeout of 20
+    assert trained.seconds < timeout + 40, f"took {trained.seconds:.0f} s"
+
+    assert [n.returncode for n in checked.nodes] == [1, 1], checked.nodes[0].stderr[-3000:]
+    lines = error_lines(checked.nodes[0].stderr)  # rank 0 prints the lines for the whole job
+    assert lines and all("(No route to host; address from host name, interface eth1); its eth0" in x for x in lines)
+    assert lines[-1].endswith(
+        "reaches it: the collectives' address (host name) is on a network the other nodes cannot reach, and the "
+        "interface that reaches the rendezvous reaches them: set GLOO_SOCKET_IFNAME=eth0 "
+        "(NCCL_SOCKET_IFNAME=eth0 on GPUs) on every node"
+    ), lines
+    assert not (tmp_path / "pf.json").exists()
+
+
+def test_a_link_down_for_20_s_mid_run_is_survived_exactly(nodes, tmp_path, data_cache):
+    """Node 1's link is taken down (`ip link set <host end> down`) right after the checkpoint of step 4, and up
+    again 20 s later. The collective in flight fails after --collective_timeout 15 s, torchrun (--max_restarts 3)
+    starts the workers again, they resume from step 4 (--resume_from_checkpoint auto) once the link is back, and
+    every step logged, the re-run ones too, has the uninterrupted run's loss, bit for bit. The uninterrupted
+    run goes on a second pair of nodes while the link is down (the first pair only waits then)."""
+    flags = [*TINY, "--n_layer", "4", "--max_steps", "12", "--batch_size", "8", "--data_cache_dir", data_cache]
+    fault = [*flags, "--checkpoint_every", "4", "--resume_from_checkpoint", "auto", "--collective_timeout", "15"]
+    out, straight, link = tmp_path / "down", tmp_path / "straight", f"{nodes.prefix}h1"
+    events: dict = {}
+
+    def cut_the_link():
+        deadline = time.monotonic() + 180
+        while not (out / "checkpoints" / "step_4").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not (out / "checkpoints" / "step_4").is_dir():
+            return
+        local_nodes._must("link", "set", link, "down")
+        events["down"] = time.monotonic()
+        up = threading.Timer(20, lambda: (local_nodes._must("link", "set", link, "up"), events.update(up=1)))
+        up.start()
+        with local_nodes.LocalNodes(2) as other:
+            events["straight"] = other.run(
+                "scripts/train_ddp.py", [*flags, "--output_dir", str(straight)], 1, 180, job_env(), REPO
+            )
+        up.join()
+
+    cutter = threading.Thread(target=cut_the_link, daemon=True)
+    cutter.start()
+    try:
+        result = nodes.run(
+            "scripts/train_ddp.py",
+            [*fault, "--output_dir", str(out)],
+            1,
+            timeout=240,
+            env=job_env(),
+            cwd=REPO,
+            launcher_args=["--max_restarts", "3"],
+        )
+        cutter.join(200)
+    finally:
+        local_nodes._ip("link", "set", link, "up")
+    assert "down" in events and events.get("up"), "the link was not taken down and up again"
+    assert events["straight"].returncode == 0, events["straight"].nodes[1].stderr[-3000:]
+    for node in result.nodes:
+        assert node.returncode == 0, f"node {node.rank}: exit {node.returncode}\n{node.stderr[-4000:]}"
+    assert "--resume_from_checkpoint auto: resuming from" in result.nodes[0].stdout  # a restart happened
+    records = read_metrics(out)
+    train = [r for r in records if r["type"] == "train"]
+    expected = train_losses(straight)
+    assert {r["step"] for r in train} == set(range(1, 13)), "no step may be missing"
+    assert [(r["step"], r["loss"]) for r in train if r["loss"] != expected[r["step"]]] == []  # exact
+    resumed = [r["step"] for r in train if r.get("resumed")]
+    assert resumed and all(step > 4 for step in resumed), resumed  # the first record after each restart
+    assert [r["final_step"] for r in records if r["type"] == "summary"] == [12]

@@ -1,16 +1,24 @@
 """How a run that fails says so: the one line for a collective that failed because a peer froze or
-died (gloo's and DCP's messages read here), the line written for the launcher's failure table
-(TORCHELASTIC_ERROR_FILE), and the grace a rank gives rank 0 to report a bad-input error. A training
-run imports it only when it fails (launch.run_main)."""
+died (gloo's and DCP's messages read here), the one line for a process group that could not connect
+because gloo listens on an interface the other nodes cannot reach, the line written for the
+launcher's failure table (TORCHELASTIC_ERROR_FILE), and the grace a rank gives rank 0 to report a
+bad-input error. A training run imports it when it fails (launch.run_main), and for the deadline on
+connecting its process group (launch.init_restart_safe_group)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import signal
+import socket
+import struct
+import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,15 +44,22 @@ TIMEOUT_SIGNS = ("timed out", "timeout caused pair closure", "timeout waiting", 
 GONE_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "read error", "socket closed")
 
 
+# What gloo says when the full mesh of a new process group cannot be connected (init_process_group).
+CONNECT_SIGNS = ("connectfullmesh failed", "connect timeout", "timed out connecting")
+
+
 def lost_peer_line(error: BaseException) -> str | None:
     """The one line for a collective that failed because a peer froze or died, or None if `error`
     is something else. It names the step (RunPosition), the collective the process waited in and
-    where, and the troubleshooting section."""
+    where, and the troubleshooting section. A process group that could not connect gets
+    unreachable_peers_line instead: the interface, not a peer, is the usual cause."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     if not isinstance(error, (RuntimeError, CheckpointException)):
         return None
     text = str(error).lower()
+    if any(sign in text for sign in CONNECT_SIGNS):
+        return unreachable_peers_line(_gloo_detail(error))
     if any(sign in text for sign in TIMEOUT_SIGNS):
         seconds = f"{RunPosition.collective_timeout:g} s" if RunPosition.collective_timeout else "too long"
         what = f"waited {seconds} for a peer that did not answer (it froze, was stopped, or is far too slow)"
@@ -53,13 +68,111 @@ def lost_peer_line(error: BaseException) -> str | None:
     else:
         return None
     rank = f"rank {torch.distributed.get_rank()}" if torch.distributed.is_initialized() else "this process"
-    # gloo's own words, without its source location ("[.../unbound_buffer.cc:78] Timed out ...")
-    detail = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0] if str(error).strip() else "")
     return (
         f"error: {RunPosition.describe()}: {collective_waited_for(error)} {what}; seen by {rank}"
-        f" ({detail[:160] or type(error).__name__}). Continue with --resume_from_checkpoint auto once every"
+        f" ({_gloo_detail(error)}). Continue with --resume_from_checkpoint auto once every"
         ' process can run (docs/troubleshooting.md, "A peer did not answer, or was lost")'
     )
+
+
+def _gloo_detail(error: BaseException) -> str:
+    """gloo's own words, without its source locations ("[.../unbound_buffer.cc:78] Timed out ...")."""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0] if str(error).strip() else "")
+    return re.sub(r"\[[^\]]*\.(cc|h|cpp):\d+\]\s*", "", first).strip()[:160] or type(error).__name__
+
+
+# ----------------------------------------------------------------------------- interfaces
+def interface_addresses() -> dict[str, str]:
+    """Each network interface's IPv4 address (Linux; interfaces without one are left out)."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name[:15].encode())
+                found[name] = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
+            except OSError:
+                pass
+    return found
+
+
+def interface_of(address: str | None) -> str | None:
+    """The interface that holds `address` (a 127.x address: the loopback's)."""
+    if address and address.startswith("127."):
+        return next((n for n, a in interface_addresses().items() if a.startswith("127.")), "lo")
+    return next((n for n, a in interface_addresses().items() if a == address), None)
+
+
+def route_address(host: str) -> str | None:
+    """This host's address on the route to `host`: a UDP connect sends nothing, the kernel picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 1))
+            return s.getsockname()[0]
+        except OSError:
+            return None
+
+
+def gloo_address() -> tuple[str | None, str]:
+    """(address, how) gloo listens on: GLOO_SOCKET_IFNAME's interface, else what the host name
+    resolves to (ProcessGroupGloo's createDefaultDevice: it takes that address if it can bind to it)."""
+    wanted = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if wanted:
+        return interface_addresses().get(wanted), f"GLOO_SOCKET_IFNAME={wanted}"
+    try:
+        return socket.gethostbyname(socket.gethostname()), f"the address host name {socket.gethostname()} resolves to"
+    except OSError:
+        return None, f"host name {socket.gethostname()} does not resolve, so the loopback"
+
+
+def unreachable_peers_line(detail: str) -> str:
+    """The one line for a process group whose ranks could not connect (gloo's full mesh at
+    init_process_group). Across nodes the usual cause is the interface: without GLOO_SOCKET_IFNAME gloo
+    listens on the address of the host name, which may be a network the other nodes are not on (a Docker
+    bridge, a VPN, a second card). The interface to use is the one that reaches the rendezvous (MASTER_ADDR),
+    which every node reached already."""
+    rank = os.environ.get("RANK", "?")
+    master = os.environ.get("MASTER_ADDR", "")
+    address, how = gloo_address()
+    used = interface_of(address)
+    right_address = route_address(master) if master else None
+    right = interface_of(right_address)
+    several_nodes = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE")) != os.environ.get("WORLD_SIZE")
+    where = f"rank {rank} (host {socket.gethostname()})"
+    start = f"error: {RunPosition.describe()}: {where} could not connect to the other ranks ({detail})"
+    section = '(docs/troubleshooting.md, "The process group cannot connect: set GLOO_SOCKET_IFNAME")'
+    if several_nodes and right and used != right:
+        return (
+            f"{start}: gloo listens on {address} ({how}, interface {used or '?'}), which the other nodes cannot "
+            f"reach; this node reaches the rendezvous {master} through {right}: set GLOO_SOCKET_IFNAME={right} "
+            f"(NCCL_SOCKET_IFNAME={right} on GPUs) on every node, each to its own interface of that network {section}"
+        )
+    return (
+        f"{start}: gloo listens on {address} ({how}, interface {used or '?'}); if that is the network the nodes "
+        "share, a peer did not start, the link between the nodes is down or a firewall blocks gloo's ports; else "
+        "set GLOO_SOCKET_IFNAME "
+        f"(NCCL_SOCKET_IFNAME on GPUs) to the interface that reaches the rendezvous {master} {section}"
+    )
+
+
+@contextmanager
+def connect_deadline(seconds: float):
+    """init_process_group within `seconds`, or one line and exit 1. gloo raises by itself on the rank that
+    cannot connect out, but the rank waiting for that connection can wait far longer than its timeout
+    (100 s for a timeout of 20, torch 2.13): a timer makes every rank give up in time."""
+
+    def give_up():
+        line = unreachable_peers_line(f"not connected after {seconds:g} s")
+        print(line, file=sys.stderr, flush=True)
+        report_to_launcher(line)
+        os._exit(1)  # the main thread is inside gloo's connect: nothing else can end it
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def collective_waited_for(error: BaseException) -> str:

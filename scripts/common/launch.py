@@ -126,6 +126,9 @@ def init_restart_safe_group(use_cpu: bool, timeout: timedelta) -> None:
     )
     store = torch.distributed.PrefixStore(f"attempt_{attempt}", store)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.distributed.init_process_group(
-        "gloo" if use_cpu else "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout
-    )
+    from .faults import connect_deadline  # gloo's connect can outwait its timeout: one line instead
+
+    with connect_deadline(timeout.total_seconds()):
+        torch.distributed.init_process_group(
+            "gloo" if use_cpu else "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
