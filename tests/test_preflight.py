@@ -207,7 +207,11 @@ def test_bad_set_up_is_named_at_once():
     """Four processes side by side: rank 1 of 2 alone, nothing listening at MASTER_PORT (it names
     itself and the address after --timeout 3 s); GLOO_SOCKET_IFNAME naming no interface; a bad flag;
     and the reach test against a peer's port where nothing listens (the line it gives)."""
-    port = free_port()
+    # The port stays bound, never listening, for the whole test: connections to it are refused, and
+    # no other job's store or gloo pair (they take ports from the same ephemeral range) can take it.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
     start = time.monotonic()
     unreachable = start_ranks([1], 2, 1, port, ["--timeout", "3"])
     wrong_interface = start_ranks([1], 2, 1, port, ["--timeout", "3"], GLOO_SOCKET_IFNAME="nonexistent0")
@@ -223,7 +227,10 @@ def test_bad_set_up_is_named_at_once():
             start_new_session=True,
         )
     ]
-    logs = finish(unreachable + wrong_interface + bad_flag + probe)
+    try:
+        logs = finish(unreachable + wrong_interface + bad_flag + probe)
+    finally:
+        closed.close()
     took = time.monotonic() - start
     codes = [p.returncode for p in unreachable + wrong_interface + bad_flag + probe]
     assert codes == [1, 1, 2, 0], logs
