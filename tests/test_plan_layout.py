@@ -12,11 +12,12 @@ from conftest import REPO, SCRIPTS, launch_tiny, run_cmd, summary
 
 sys.path.insert(0, str(SCRIPTS))
 import plan_layout
+import test_fsdp
+import test_tp
 
 from common.launch import run_main
 
 NETWORK = REPO / "tests" / "data" / "preflight_2nodes.json"
-ADDITION_TOKENS = 13  # the tiny runs learn 3-digit addition: 13 tokens a sample
 
 
 def plan(monkeypatch, capsys, *flags: str) -> list[dict]:
@@ -38,53 +39,78 @@ def usage_error(monkeypatch, capsys, *flags: str) -> str:
 
 
 # ----------------------------------------------------------------------------- against measurement
-# (script, processes, run flags, the same layout for the planner). Pipelines run micro-batches of 32
-# so that activations, not the weights autograd also keeps, dominate what the run measures.
+# name: (xdist group, script, processes, run flags, the same layout for the planner). A run with a group is
+# the one that group's parity test launches (shared_run: launched once, on that group's worker); the others
+# run one step here. Pipelines run micro-batches of 32 so that activations, not the weights autograd also
+# keeps, dominate what the run measures.
+FSDP_RUN = tuple(test_fsdp.FLAGS)  # the parity tests' runs
+TP_RUN = tuple(test_tp.FLAGS)
+ONE_STEP = ("--max_steps", "1")
 RUNS = {
-    "fsdp2": ("train_fsdp.py", 2, ["--batch_size", "8"], ["--dp_shard", "2", "--batch_size", "8"]),
-    "fsdp4": ("train_fsdp.py", 4, ["--batch_size", "4"], ["--dp_shard", "4", "--batch_size", "4"]),
-    "tp2": ("train_tp.py", 2, ["--tp_size", "2", "--batch_size", "8"], ["--tp_size", "2", "--batch_size", "8"]),
-    "pp2": (
-        "train_pp.py",
+    "fsdp2": (
+        "fsdp",
+        "train_fsdp.py",
         2,
-        ["--pp_size", "2", "--batch_size", "128", "--n_microbatches", "4"],
-        ["--pp_size", "2", "--batch_size", "128", "--n_microbatches", "4"],
+        [*FSDP_RUN, "--batch_size", "8", "--gradient_accumulation_steps", "1"],
+        ["--dp_shard", "2", "--batch_size", "8", "--seq_len", "13"],
     ),
-    "hsdp2x2": (
+    "fsdp4": (  # 2 micro-batches of 2: gradients stay sharded, a reduce-scatter per unit and micro-batch
+        "fsdp",
         "train_fsdp.py",
         4,
-        ["--dp_replicate", "2", "--batch_size", "4"],
-        ["--dp_replicate", "2", "--dp_shard", "2", "--batch_size", "4"],
+        [*FSDP_RUN, "--batch_size", "2", "--gradient_accumulation_steps", "2"],
+        ["--dp_shard", "4", "--batch_size", "4", "--n_microbatches", "2", "--seq_len", "13"],
+    ),
+    "tp2": ("tp", "train_tp.py", 2, list(TP_RUN), ["--tp_size", "2", "--batch_size", "16", "--seq_len", "16"]),
+    "pp2": (
+        None,
+        "train_pp.py",
+        2,
+        [*ONE_STEP, "--pp_size", "2", "--batch_size", "128", "--n_microbatches", "4"],
+        ["--pp_size", "2", "--batch_size", "128", "--n_microbatches", "4", "--seq_len", "13"],
+    ),
+    "hsdp2x2": (
+        None,
+        "train_fsdp.py",
+        4,
+        [*ONE_STEP, "--dp_replicate", "2", "--batch_size", "4"],
+        ["--dp_replicate", "2", "--dp_shard", "2", "--batch_size", "4", "--seq_len", "13"],
     ),
     "3d2x2x2": (
+        None,
         "train_hybrid.py",
         8,
-        ["--n_layer", "4", "--pp_size", "2", "--dp_shard", "2", "--tp_size", "2", "--batch_size", "128"],
-        ["--n_layer", "4", "--pp_size", "2", "--dp_shard", "2", "--tp_size", "2", "--batch_size", "128"],
+        [*ONE_STEP, "--n_layer", "4", "--pp_size", "2", "--dp_shard", "2", "--tp_size", "2", "--batch_size", "128"],
+        ["--n_layer", "4", "--pp_size", "2", "--dp_shard", "2", "--tp_size", "2", "--batch_size", "128"]
+        + ["--n_microbatches", "4", "--seq_len", "13"],
     ),
 }
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data_cache):
-    """One real step of the layout; the plan for the same layout gives its state bytes (1%), its
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=[pytest.mark.xdist_group(run[0])] if run[0] else []) for name, run in RUNS.items()],
+)
+def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data_cache, shared_run):
+    """A real run of the layout; the plan for the same layout gives its state bytes (1%), its
     first-step collectives (calls exactly; bytes exactly but for the pipeline's first-step shape
     metadata, a few hundred bytes) and, under a pipeline, each stage's activations (25%)."""
-    script, nproc, run_flags, plan_flags = RUNS[name]
-    out = tmp_path / name
-    launch_tiny(script, out, data_cache, "--max_steps", "1", *run_flags, nproc=nproc)
+    group, script, nproc, run_flags, plan_flags = RUNS[name]
+    if group:
+        out = shared_run(script, nproc, *run_flags)
+    else:
+        out = tmp_path / name
+        launch_tiny(script, out, data_cache, *run_flags, nproc=nproc)
     measured = summary(out)
-    degrees = {"--pp_size": "1", "--dp_replicate": "1", "--dp_shard": "1", "--tp_size": "1"}
+    degrees = {"--pp_size": "1", "--dp_replicate": "1", "--dp_shard": "1", "--tp_size": "1", "--n_microbatches": "1"}
     degrees.update({f: v for f, v in zip(plan_flags[::2], plan_flags[1::2], strict=True) if f in degrees})
     others = [x for f, v in zip(plan_flags[::2], plan_flags[1::2], strict=True) if f not in degrees for x in (f, v)]
-    pipeline = ["--n_microbatches", "4"] if "--pp_size" in plan_flags else ["--n_microbatches", "1"]
     record = plan(
         monkeypatch,
         capsys,
-        *("--model_size", "tiny", "--seq_len", str(ADDITION_TOKENS), "--world_size", str(nproc)),
+        *("--model_size", "tiny", "--world_size", str(nproc)),
         *[x for item in degrees.items() for x in item],
         *others,
-        *pipeline,
     )[0]
     assert record["layout"] == measured["layout"]
 
