@@ -239,22 +239,57 @@ def reference(tmp_path_factory, data_cache):
     return run
 
 
-@pytest.fixture(scope="session")
-def shared_run(tmp_path_factory, data_cache):
-    """A multi-process run that several tests check, or compare with, launched once for the whole
-    session: shared_run(script, nproc, *flags) -> its output directory (TINY and the data cache
-    are added). Tests read it and never write into it."""
-    cache: dict[tuple, Path] = {}
+def run_in_turn(cases: list, nproc: int, folder: Path) -> list[dict]:
+    """Every case [script path, args] in one launch of `nproc` processes (tests/zoo_driver.py: start-up, not
+    training, is what a tiny run costs here) -> [{"returncode", "stdout", "stderr"}, ...], rank 0's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec, results = folder / "cases.json", folder / "results.json"
+    spec.write_text(json.dumps({"cases": cases, "results": str(results)}))
+    done = run_cmd(launch_cmd("../tests/zoo_driver.py", [str(spec)], nproc=nproc), timeout=4 * LAUNCH_TIMEOUT)
+    assert results.is_file(), f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return json.loads(results.read_text())
 
-    def run(script: str, nproc: int, *flags: str) -> Path:
+
+class SharedRuns:
+    """shared_run(script, nproc, *flags) -> the output directory of that run (TINY and the data cache are
+    added), launched once for the whole session; tests read it and never write into it.
+    shared_run.in_turn([(script, nproc, *flags), ...]) launches those not launched yet, the runs of one
+    process count in ONE launch, one after the other (run_in_turn), so a group of parity tests pays the
+    start-up once per process count; call it first in each test of the group, with the group's whole list."""
+
+    def __init__(self, tmp_path_factory, data_cache: str):
+        self.tmp_path_factory, self.data_cache = tmp_path_factory, data_cache
+        self.cache: dict[tuple, Path] = {}
+
+    def __call__(self, script: str, nproc: int, *flags: str) -> Path:
         key = (script, nproc, flags)
-        if key not in cache:
-            out = tmp_path_factory.mktemp("shared") / "run"
-            launch_tiny(script, out, data_cache, *flags, nproc=nproc)
-            cache[key] = out
-        return cache[key]
+        if key not in self.cache:
+            out = self.tmp_path_factory.mktemp("shared") / "run"
+            launch_tiny(script, out, self.data_cache, *flags, nproc=nproc)
+            self.cache[key] = out
+        return self.cache[key]
 
-    return run
+    def in_turn(self, runs: list[tuple]) -> None:
+        todo = {}
+        for script, nproc, *flags in runs:
+            if (script, nproc, tuple(flags)) not in self.cache:
+                todo.setdefault(nproc, {})[(script, nproc, tuple(flags))] = None
+        for nproc, keys in todo.items():
+            folder = self.tmp_path_factory.mktemp(f"shared_in_turn_{nproc}")
+            outs = [folder / f"run{i}" for i in range(len(keys))]
+            cases = [
+                [str(SCRIPTS / script), [*TINY, *flags, "--data_cache_dir", self.data_cache, "--output_dir", str(out)]]
+                for (script, _, flags), out in zip(keys, outs, strict=True)
+            ]
+            for (key, out), result in zip(zip(keys, outs, strict=True), run_in_turn(cases, nproc, folder), strict=True):
+                assert result["returncode"] == 0, f"exit {result['returncode']}: {key}\n{result['stderr'][-5000:]}"
+                self.cache[key] = out
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory, data_cache) -> SharedRuns:
+    """A multi-process run that several tests check, or compare with, launched once (SharedRuns)."""
+    return SharedRuns(tmp_path_factory, data_cache)
 
 
 # The run the fault tests (preemption, restart) interrupt, and compare with uninterrupted (shared_run).

@@ -25,23 +25,31 @@ FLAGS = ["--max_steps", "20", "--eval_every", "10", "--eval_batch_size", "64"]
 STEPS = list(range(1, 21))
 
 
-@pytest.mark.parametrize(
-    "nproc, batch, accum, extra",
-    [
-        (2, 8, 1, []),
-        (2, 4, 2, ["--activation_checkpointing"]),
-        (2, 4, 2, ["--unsharded_accumulation"]),
-        (4, 4, 1, ["--no-reshard_after_forward"]),
-        (4, 2, 2, []),
-    ],
-)
+CASES = [
+    (2, 8, 1, []),
+    (2, 4, 2, ["--activation_checkpointing"]),
+    (2, 4, 2, ["--unsharded_accumulation"]),
+    (4, 4, 1, ["--no-reshard_after_forward"]),
+    (4, 2, 2, []),
+]
+
+
+def parity_run(nproc: int, batch: int, accum: int, extra: list) -> tuple:
+    batches = ("--batch_size", str(batch), "--gradient_accumulation_steps", str(accum))
+    return ("train_fsdp.py", nproc, *FLAGS, *batches, *extra)
+
+
+# one launch per process count runs the cases in turn (shared_run.in_turn)
+PARITY_RUNS = [parity_run(*case) for case in CASES]
+
+
+@pytest.mark.parametrize("nproc, batch, accum, extra", CASES)
 def test_matches_single_process(nproc, batch, accum, extra, reference, shared_run, monkeypatch, capsys):
     """Global batch 16 every time. With accumulation, gradients stay sharded by default (a reduce-scatter
     per unit and micro-batch); --unsharded_accumulation keeps them whole and reduce-scatters once per step.
     Both match one process, and plan_layout.py plans the collectives the run made."""
-    out = shared_run(
-        "train_fsdp.py", nproc, *FLAGS, "--batch_size", str(batch), "--gradient_accumulation_steps", str(accum), *extra
-    )
+    shared_run.in_turn(PARITY_RUNS)
+    out = shared_run(*parity_run(nproc, batch, accum, extra))
     assert_layout(out, dp_shard=nproc, tp=1, pp=1)
     ref = reference(*FLAGS, "--batch_size", "16")
     assert_matches_reference(ref, out, STEPS)
@@ -70,7 +78,8 @@ def test_matches_single_process(nproc, batch, accum, extra, reference, shared_ru
 def test_resume_is_exact_and_final_model_evaluates(tmp_path, data_cache, shared_run):
     flags = [*TINY, *FLAGS, "--batch_size", "8", "--data_cache_dir", data_cache]
     # the uninterrupted run: test_matches_single_process's first case
-    straight = shared_run("train_fsdp.py", 2, *FLAGS, "--batch_size", "8", "--gradient_accumulation_steps", "1")
+    shared_run.in_turn(PARITY_RUNS)
+    straight = shared_run(*parity_run(2, 8, 1, []))
     resume_and_evaluate("train_fsdp.py", flags, tmp_path, straight)
 
 

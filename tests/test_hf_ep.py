@@ -11,12 +11,11 @@ tiny config (tests/zoo_configs.py), against the one-process train_ddp.py run:
 Three launches in all (the reference, 2 and 4 processes), each running its cases in turn (tests/zoo_driver.py)."""
 
 import json
-import subprocess
 
 import pytest
 from zoo_configs import FAMILIES, MOE_FAMILIES, write_configs
 
-from conftest import LAUNCH_TIMEOUT, SCRIPTS, TINY, job_env, launch_cmd, train_losses
+from conftest import SCRIPTS, TINY, run_in_turn, train_losses
 
 pytestmark = pytest.mark.xdist_group("hf_ep")  # the launches are shared by the tests below
 
@@ -36,16 +35,6 @@ REFUSED = {
     ),
     "n_experts": ({"model_type": "mixtral", **FAMILIES["mixtral"]}, ["--n_experts", "4"], "--n_experts", "drop"),
 }
-
-
-def run_in_turn(cases: list, nproc: int, folder) -> list[dict]:
-    """Every case [script, args] in one launch of `nproc` processes -> [{"returncode", "stderr"}, ...]."""
-    spec, results = folder / "cases.json", folder / "results.json"
-    spec.write_text(json.dumps({"cases": cases, "results": str(results)}))
-    cmd = launch_cmd("../tests/zoo_driver.py", [str(spec)], nproc=nproc)
-    done = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=4 * LAUNCH_TIMEOUT)
-    assert results.is_file(), f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    return json.loads(results.read_text())
 
 
 def train_case(script: str, config, out, data_cache: str, *flags: str) -> list:

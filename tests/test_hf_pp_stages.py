@@ -18,7 +18,7 @@ import pytest
 import torch
 from zoo_configs import FAMILIES, write_configs
 
-from conftest import LAUNCH_TIMEOUT, SCRIPTS, TINY, launch_cmd, run_cmd, train_losses
+from conftest import SCRIPTS, TINY, run_in_turn, train_losses
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -40,15 +40,6 @@ INTERLEAVED_FAMILIES = ("mistral", "gemma3_text", "gpt_neox", "deepseek_v3")
 assert set(INTERLEAVED_FAMILIES) <= set(FAMILIES)
 # (family, schedule) -> words the one `error:` line must hold; empty: every family here trains exactly
 EXPECTED: dict = {}
-
-
-def run_in_turn(cases: list, nproc: int, folder) -> list[dict]:
-    """Every case [script, args] in one launch of `nproc` processes -> [{"returncode", "stderr"}, ...]."""
-    spec, results = folder / "cases.json", folder / "results.json"
-    spec.write_text(json.dumps({"cases": cases, "results": str(results)}))
-    done = run_cmd(launch_cmd("../tests/zoo_driver.py", [str(spec)], nproc=nproc), timeout=4 * LAUNCH_TIMEOUT)
-    assert results.is_file(), f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    return json.loads(results.read_text())
 
 
 def case(script: str, flags: list, config, out, data_cache) -> list:

@@ -14,15 +14,13 @@ tiny run costs here. The table in docs/your-model.md is this test's output:
     ZOO_TABLE=zoo.md python -m pytest tests/test_hf_zoo.py -n 0 -s
 """
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 from zoo_configs import FAMILIES, MOE_FAMILIES, write_configs
 
-from conftest import LAUNCH_TIMEOUT, SCRIPTS, TINY, job_env, launch_cmd, train_losses
+from conftest import SCRIPTS, TINY, run_in_turn, train_losses
 
 pytestmark = pytest.mark.xdist_group("hf_zoo")  # the launches share the reference: one worker runs them all
 
@@ -51,17 +49,6 @@ for family in FAMILIES:
     elif family != "gpt_oss":  # the other MoE families' plans cut their experts' batched weights: train_ep.py's
         for column in ("tp 2", "hybrid 4 (dp 2 x tp 2)"):
             EXPECTED[(column, family)] = "experts' 3-D weights"
-
-
-def run_in_turn(cases: list, nproc: int, folder) -> list[dict]:
-    """Every case [script, args] in one launch of `nproc` processes -> [{"returncode", "stderr"}, ...]."""
-    spec = folder / "cases.json"
-    results = folder / "results.json"
-    spec.write_text(json.dumps({"cases": cases, "results": str(results)}))
-    cmd = launch_cmd("../tests/zoo_driver.py", [str(spec)], nproc=nproc)
-    done = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=4 * LAUNCH_TIMEOUT)
-    assert results.is_file(), f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    return json.loads(results.read_text())
 
 
 def cases_for(script: str, flags: list, families, configs, folder, data_cache) -> list:

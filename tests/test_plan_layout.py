@@ -96,7 +96,8 @@ def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data
     first-step collectives (calls exactly; bytes exactly but for the pipeline's first-step shape
     metadata, a few hundred bytes) and, under a pipeline, each stage's activations (25%)."""
     group, script, nproc, run_flags, plan_flags = RUNS[name]
-    if group:
+    if group:  # the parity tests' runs, one launch per process count
+        shared_run.in_turn({"fsdp": test_fsdp, "tp": test_tp}[group].PARITY_RUNS)
         out = shared_run(script, nproc, *run_flags)
     else:
         out = tmp_path / name

@@ -17,13 +17,25 @@ def split_points(pp: int, schedule: str) -> list[str]:
     return ["--split_points", "1"] if (pp, schedule) == (2, "gpipe") else []
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+
+
+def parity_run(pp: int, schedule: str) -> tuple:
+    extra = ["--stages_per_rank", "1"] if pp == 4 else []
+    return ("train_pp.py", pp, *FLAGS, "--schedule", schedule, *extra, *split_points(pp, schedule))
+
+
+# the eight runs: the four schedules on 2 processes in one launch, on 4 in another (shared_run.in_turn)
+PARITY_RUNS = [parity_run(pp, schedule) for pp in (2, 4) for schedule in SCHEDULES]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("pp", [2, 4])
 def test_matches_single_process(pp, schedule, reference, shared_run):
     """2 stages: interleaved and zero-bubble hold 2 stages per rank (4 stages of 1 layer), GPipe
     splits unevenly (1 layer, then 3); 4 stages: one layer per rank. 4 micro-batches of 4."""
-    extra = ["--stages_per_rank", "1"] if pp == 4 else []
-    out = shared_run("train_pp.py", pp, *FLAGS, "--schedule", schedule, *extra, *split_points(pp, schedule))
+    shared_run.in_turn(PARITY_RUNS)
+    out = shared_run(*parity_run(pp, schedule))
     assert_layout(out, pp=pp, dp_shard=1, tp=1)
     ref = reference(*FLAGS, "--eval_batch_size", "64")
     # the mean over the global batch, written by rank 0
@@ -45,6 +57,7 @@ def test_resume_under_pp_is_exact_and_final_model_evaluates(tmp_path, data_cache
     process reproduces the run's last evaluation from the consolidated model/."""
     schedule = ["--schedule", "gpipe", *split_points(2, "gpipe")]
     flags = [*TINY, *FLAGS, *schedule, "--data_cache_dir", data_cache]
+    shared_run.in_turn(PARITY_RUNS)
     straight = shared_run("train_pp.py", 2, *FLAGS, *schedule)  # also a case of the test above
     resume_and_evaluate("train_pp.py", flags, tmp_path, straight)
 

@@ -42,17 +42,20 @@ FLAGS = [
 STEPS = list(range(1, 21))
 
 
-@pytest.mark.parametrize(
-    "nproc, extra",
-    [
-        (2, []),
-        (2, ["--sequence_parallel"]),
-        (2, ["--loss_parallel"]),
-        (4, []),
-        (4, ["--sequence_parallel", "--loss_parallel"]),
-    ],
-)
+CASES = [
+    (2, []),
+    (2, ["--sequence_parallel"]),
+    (2, ["--loss_parallel"]),
+    (4, []),
+    (4, ["--sequence_parallel", "--loss_parallel"]),
+]
+# one launch per process count runs the cases in turn (shared_run.in_turn)
+PARITY_RUNS = [("train_tp.py", nproc, *FLAGS, *extra) for nproc, extra in CASES]
+
+
+@pytest.mark.parametrize("nproc, extra", CASES)
 def test_matches_single_process(nproc, extra, reference, shared_run):
+    shared_run.in_turn(PARITY_RUNS)
     out = shared_run("train_tp.py", nproc, *FLAGS, *extra)
     assert_layout(out, tp=nproc, dp_shard=1, pp=1)
     ref = reference(*FLAGS)
@@ -75,6 +78,7 @@ def assert_communication_matches_megatron(s: dict) -> None:
 
 def test_resume_is_exact_and_final_model_evaluates(tmp_path, data_cache, shared_run):
     flags = [*TINY, *FLAGS, "--data_cache_dir", data_cache, "--sequence_parallel"]
+    shared_run.in_turn(PARITY_RUNS)
     straight = shared_run("train_tp.py", 2, *FLAGS, "--sequence_parallel")  # also a case of the test above
     resume_and_evaluate("train_tp.py", flags, tmp_path, straight)
 

@@ -4,7 +4,8 @@ Start-up dominates a tiny run on this machine (4-5 s per process: torch, transfo
 group), so the zoo matrix (test_hf_zoo.py) runs every family of one script in one launch: each case is
 `python scripts/<script> <args>` run as __main__ in this interpreter, on the process group the first
 case made (kept alive between the cases; Accelerate's singletons are reset). CASES.json:
-{"cases": [[script path, [args]], ...], "results": path}; rank 0 writes [{"returncode", "stderr"}, ...]."""
+{"cases": [[script path, [args]], ...], "results": path}; rank 0 writes [{"returncode", "stdout", "stderr"}, ...].
+Used by the zoo, the 🤗 EP and PP-stage tests, and shared_run.in_turn (tests/conftest.py)."""
 
 import contextlib
 import io
@@ -26,8 +27,8 @@ keep_group = dist.destroy_process_group
 dist.destroy_process_group = lambda *a, **k: None  # the next case runs on the same group
 results = []
 for script, args in spec["cases"]:
-    sys.argv, err, code = [script, *args], io.StringIO(), 0
-    with contextlib.redirect_stderr(err):
+    sys.argv, out, err, code = [script, *args], io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             runpy.run_path(script, run_name="__main__")
         except SystemExit as stop:
@@ -35,7 +36,7 @@ for script, args in spec["cases"]:
         except BaseException:
             code = 1
             err.write(traceback.format_exc())
-    results.append({"returncode": code, "stderr": err.getvalue()[-4000:]})
+    results.append({"returncode": code, "stdout": out.getvalue()[-8000:], "stderr": err.getvalue()[-4000:]})
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     if dist.is_initialized() and dist.get_world_size() > 1:
