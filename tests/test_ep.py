@@ -16,6 +16,7 @@ from conftest import (
     launch,
     launch_tiny,
     read_metrics,
+    run_in_turn,
     run_refused,
     train_losses,
 )
@@ -52,16 +53,24 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, data_cache):
-    """run(name) -> its output directory, launched once per module; every run dumps its first step's routing."""
+    """run(name) -> its output directory. The first call launches every run, those of one process count in
+    one launch, in turn (run_in_turn); every run dumps its first step's routing beside its output."""
     done = {}
 
     def get(name: str):
-        if name not in done:
-            script, nproc, balance, layout = RUNS[name]
-            out = tmp_path_factory.mktemp(name) / "run"
-            routing = out.parent / "routing"
-            launch_tiny(script, out, data_cache, *balance, *layout, "--dump_routing", str(routing), nproc=nproc)
-            done[name] = out
+        if not done:
+            for nproc in sorted({n for _, n, _, _ in RUNS.values()}):
+                names = [k for k, (_, n, _, _) in RUNS.items() if n == nproc]
+                cases = []
+                for key in names:
+                    script, _, balance, layout = RUNS[key]
+                    done[key] = out = tmp_path_factory.mktemp(key) / "run"
+                    args = [*TINY, *balance, *layout, "--dump_routing", str(out.parent / "routing")]
+                    args += ["--data_cache_dir", data_cache, "--output_dir", str(out)]
+                    cases.append([str(SCRIPTS / script), args])
+                results = run_in_turn(cases, nproc, tmp_path_factory.mktemp(f"in_turn_{nproc}"))
+                for key, result in zip(names, results, strict=True):
+                    assert result["returncode"] == 0, f"{key}: exit {result['returncode']}\n{result['stderr']}"
         return done[name]
 
     return get
