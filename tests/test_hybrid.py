@@ -4,12 +4,14 @@ checkpoints that move between layouts."""
 import pytest
 
 from conftest import (
+    SCRIPTS,
     TINY,
     assert_layout,
     assert_same_evals,
     assert_same_losses,
     launch,
     resume_matches,
+    run_in_turn,
     summary,
     train_losses,
 )
@@ -34,26 +36,44 @@ def run_layout(nproc: int, layout: dict, flags: list[str], out, data_cache: str)
     return result
 
 
-@pytest.mark.parametrize(
-    "nproc, layout, extra",
-    [
-        # FSDP2 x TP2, 2 micro-batches: a reduce-scatter after each (gradients stay sharded)
-        (
-            4,
-            {"dp_shard": 2, "tp": 2},
-            ["--batch_size", "4", "--gradient_accumulation_steps", "2", "--sequence_parallel"],
-        ),
-        # HSDP, 2 micro-batches, --unsharded_accumulation: whole gradients through the window, one reduce-scatter
-        (4, {"dp_replicate": 2, "dp_shard": 2}, ["--batch_size", "2", "--gradient_accumulation_steps", "2", UNSHARDED]),
-        (4, {"pp": 2, "tp": 2}, ["--batch_size", "16", "--dp_shard", "1", "--loss_parallel"]),  # PP2 x TP2
-    ],
-)
-def test_layouts_match_single_process(nproc, layout, extra, reference, tmp_path, data_cache):
-    out = tmp_path / "hybrid"
-    result = run_layout(nproc, layout, [*FLAGS, *extra], out, data_cache)
+LAYOUTS = [
+    # FSDP2 x TP2, 2 micro-batches: a reduce-scatter after each (gradients stay sharded)
+    (
+        4,
+        {"dp_shard": 2, "tp": 2},
+        ["--batch_size", "4", "--gradient_accumulation_steps", "2", "--sequence_parallel"],
+    ),
+    # HSDP, 2 micro-batches, --unsharded_accumulation: whole gradients through the window, one reduce-scatter
+    (4, {"dp_replicate": 2, "dp_shard": 2}, ["--batch_size", "2", "--gradient_accumulation_steps", "2", UNSHARDED]),
+    (4, {"pp": 2, "tp": 2}, ["--batch_size", "16", "--dp_shard", "1", "--loss_parallel"]),  # PP2 x TP2
+]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, data_cache) -> list[tuple]:
+    """The three 4-process layouts in one launch, in turn: [(output directory, stdout), ...]."""
+    folder = tmp_path_factory.mktemp("hybrid_layouts")
+    cases, outs = [], []
+    for i, (_, layout, extra) in enumerate(LAYOUTS):
+        degrees = [x for k, v in layout.items() for x in (DEGREES[k], str(v))]
+        outs.append(folder / f"layout{i}")
+        args = [*TINY, *FLAGS, *extra, *degrees, "--data_cache_dir", data_cache, "--output_dir", str(outs[-1])]
+        cases.append([str(SCRIPTS / "train_hybrid.py"), args])
+    results = run_in_turn(cases, 4, folder)
+    for result in results:
+        assert result["returncode"] == 0, result["stderr"]
+    return [(out, result["stdout"]) for out, result in zip(outs, results, strict=True)]
+
+
+@pytest.mark.xdist_group("hybrid_layouts")
+@pytest.mark.parametrize("index", range(len(LAYOUTS)))
+def test_layouts_match_single_process(index, layout_runs, reference):
+    (_, layout, extra), (out, stdout) = LAYOUTS[index], layout_runs[index]
+    assert "rank   pp  dp_replicate  dp_shard  tp" in stdout  # the layout table
+    assert_layout(out, **layout)
     if "--gradient_accumulation_steps" in extra:  # the start line says how the window keeps the gradients
         said = "unsharded gradients held through the 2" if UNSHARDED in extra else "gradients stay sharded through"
-        assert said in result.stdout
+        assert said in stdout
     ref = reference(*FLAGS, "--batch_size", "16")
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
     assert_same_evals(ref, out)
