@@ -76,11 +76,14 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def run_cmd(cmd: list[str], timeout: float = LAUNCH_TIMEOUT, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command in its own session; on timeout kill every process it started."""
+def run_cmd(
+    cmd: list[str], timeout: float = LAUNCH_TIMEOUT, env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """Run a command in its own session (in `cwd`, the repository by default); on timeout kill every
+    process it started."""
     proc = subprocess.Popen(
         cmd,
-        cwd=REPO,
+        cwd=cwd,
         env=env or job_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -239,13 +242,15 @@ def reference(tmp_path_factory, data_cache):
     return run
 
 
-def run_in_turn(cases: list, nproc: int, folder: Path) -> list[dict]:
+def run_in_turn(cases: list, nproc: int, folder: Path, cwd: Path = REPO) -> list[dict]:
     """Every case [script path, args] in one launch of `nproc` processes (tests/zoo_driver.py: start-up, not
-    training, is what a tiny run costs here) -> [{"returncode", "stdout", "stderr"}, ...], rank 0's."""
+    training, is what a tiny run costs here), run in `cwd` -> [{"returncode", "stdout", "stderr"}, ...],
+    rank 0's. The scripts' folder (that of the first case) is put on the path: a copy of them runs as itself."""
     folder.mkdir(parents=True, exist_ok=True)
     spec, results = folder / "cases.json", folder / "results.json"
     spec.write_text(json.dumps({"cases": cases, "results": str(results)}))
-    done = run_cmd(launch_cmd("../tests/zoo_driver.py", [str(spec)], nproc=nproc), timeout=4 * LAUNCH_TIMEOUT)
+    driver = launch_cmd("../tests/zoo_driver.py", [str(spec)], nproc=nproc)
+    done = run_cmd(driver, timeout=4 * LAUNCH_TIMEOUT, cwd=cwd)
     assert results.is_file(), f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return json.loads(results.read_text())
 

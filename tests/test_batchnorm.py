@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_your_model import code_blocks, run_copy
 
-from conftest import CPU_MULTI, REPO, SCRIPTS, assert_same_losses, free_port, read_metrics
+from conftest import CPU_MULTI, REPO, SCRIPTS, assert_same_losses, free_port, read_metrics, run_in_turn
 
 PAGE, PAGE_ZH = REPO / "docs" / "your-model.md", REPO / "docs" / "zh" / "your-model.md"
 DIFF_LABEL = re.compile(r"--- digits/(\S+)\n\+\+\+ digits/(\S+)\n")
@@ -116,14 +116,41 @@ def one_process(copy) -> dict[str, Path]:
     }
 
 
+def train_in_turn(folder: Path, runs: list[tuple]) -> list[tuple[Path, str]]:
+    """Several runs of a copy [(script, nproc, out, *extra), ...], those of one process count in one launch, in
+    turn (run_in_turn), each with the global batch of 64 -> [(its folder, its stdout), ...] in that order."""
+    done = {}
+    for nproc in sorted({run[1] for run in runs}):
+        mine = [run for run in runs if run[1] == nproc]
+        cases = [
+            [str(folder / script), [*FLAGS, "--batch_size", str(GLOBAL_BATCH // nproc), "--output_dir", out, *extra]]
+            for script, _, out, *extra in mine
+        ]
+        for run, result in zip(mine, run_in_turn(cases, nproc, folder / f"in_turn_{nproc}", cwd=folder), strict=True):
+            assert result["returncode"] == 0, f"exit {result['returncode']}: {run}\n{result['stderr']}"
+            done[run] = (folder / run[2], result["stdout"])
+    return [done[run] for run in runs]
+
+
+def sync_run(script: str, nproc: int) -> tuple:
+    extra = [*SGD, "--sync_every", "1"] if script == "train_localsgd.py" else []
+    return (script, nproc, f"runs/sync_{script[6:-3]}_{nproc}", "--sync_batchnorm", *extra)
+
+
+@pytest.fixture(scope="module")
+def sync_runs(copy) -> dict:
+    """The six --sync_batchnorm runs (three copies on 2 and 4 processes) in two launches."""
+    runs = [sync_run(script, nproc) for nproc in (2, 4) for script in COPIES]
+    return dict(zip(runs, train_in_turn(copy, runs), strict=True))
+
+
 @SYNC_GROUP
 @pytest.mark.parametrize("nproc", [2, 4])
 @pytest.mark.parametrize("script", COPIES)
-def test_sync_batchnorm_matches_one_process(copy, one_process, script, nproc):
-    extra = [*SGD, "--sync_every", "1"] if script == "train_localsgd.py" else []
-    run, stdout = train(copy, script, nproc, f"runs/sync_{script[6:-3]}_{nproc}", "--sync_batchnorm", *extra)
+def test_sync_batchnorm_matches_one_process(sync_runs, one_process, script, nproc):
+    run, stdout = sync_runs[sync_run(script, nproc)]
     assert "--sync_batchnorm: 2 BatchNorm layer(s) normalise over the global micro-batch" in stdout, stdout
-    reference = losses(one_process["sgd" if extra else "adamw"])
+    reference = losses(one_process["sgd" if script == "train_localsgd.py" else "adamw"])
     assert_same_losses(reference, losses(run), range(1, STEPS + 1), tol=1e-5)
     gap = max_gap(reference, losses(run))
     print(f"{script} on {nproc} processes with --sync_batchnorm: max |loss - one process| {gap:.1e}")
@@ -138,14 +165,26 @@ PLAIN = {  # what runs on 2 processes without --sync_batchnorm: the three copies
 }
 
 
+def plain_run(name: str) -> tuple:
+    script, extra = PLAIN[name]
+    return (script, 2, f"runs/plain_{name}", "--checkpoint_every", "5", *extra)
+
+
+@pytest.fixture(scope="module")
+def plain_runs(copy) -> dict:
+    """The four runs without the flag, on 2 processes, in one launch."""
+    runs = [plain_run(name) for name in sorted(PLAIN)]
+    return dict(zip(sorted(PLAIN), train_in_turn(copy, runs), strict=True))
+
+
 @PLAIN_GROUP
 @pytest.mark.parametrize("name", sorted(PLAIN))
-def test_in_run_evaluation_is_that_of_the_exported_model(copy, one_process, name):
+def test_in_run_evaluation_is_that_of_the_exported_model(copy, one_process, plain_runs, name):
     """One set of running statistics: the last in-run evaluation (the fused model, for Local SGD and
     DiLoCo) equals scripts/evaluate.py on OUTPUT_DIR/model, which records its Task (model/task.json);
     for Local SGD also on the rank models merged by merge_checkpoints.py (their average: the fused model)."""
-    script, extra = PLAIN[name]
-    run, stdout = train(copy, script, 2, f"runs/plain_{name}", "--checkpoint_every", "5", *extra)
+    script, _ = PLAIN[name]
+    run, stdout = plain_runs[name]
     assert "--sync_batchnorm normalises over all 2 ranks" in stdout and "differs from one process" in stdout, stdout
     in_run = [r for r in read_metrics(run) if r["type"] == "eval"][-1]
     assert in_run["step"] == STEPS and in_run["num_samples"] == 360
