@@ -15,13 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import SCRIPTS, TINY, assert_same_losses, evals, launch, summary, train_losses
+from conftest import SCRIPTS, TINY, assert_same_losses, evals, launch, run_in_turn, summary, train_losses
 
 sys.path.insert(0, str(SCRIPTS))
 from common.builtin_flags import add_data_args
 from common.data import load_data
 
-# no xdist group: the cases spread over both workers (each runs the one-process references it needs once)
+# the six 4-process runs share one launch (xdist group hf_scripts_4); the other tests spread over both workers
+# (each runs the one-process references it needs once)
 
 BASE = {
     "hidden_size": 64,
@@ -104,13 +105,29 @@ def references(configs, data_cache, tmp_path_factory):
     return reference
 
 
-@pytest.mark.parametrize(
-    "family, script, nproc, flags", RUNS, ids=[f"{s.removesuffix('.py')}-{n}-{f}" for f, s, n, _ in RUNS]
-)
-def test_matches_the_one_process_run(family, script, nproc, flags, configs, references, data_cache, tmp_path):
-    out = tmp_path / "run"
-    result = run(script, out, data_cache, configs[family], *flags, nproc=nproc)
-    assert f"model {family} (🤗 transformers" in result.stdout
+@pytest.fixture(scope="module")
+def four_process_runs(configs, data_cache, tmp_path_factory) -> list[tuple]:
+    """The six 4-process runs in one launch, in turn (run_in_turn): [(output directory, stdout), ...]."""
+    folder = tmp_path_factory.mktemp("hf_four")
+    outs = [folder / f"run{i}" for i in range(len(RUNS))]
+    cases = [
+        [str(SCRIPTS / script), [*TINY, *FLAGS, "--model_config", str(configs[family]), *flags]]
+        for family, script, _, flags in RUNS
+    ]
+    for case, out in zip(cases, outs, strict=True):
+        case[1] += ["--data_cache_dir", data_cache, "--output_dir", str(out)]
+    assert {nproc for _, _, nproc, _ in RUNS} == {4}
+    results = run_in_turn(cases, 4, folder)
+    for run_case, result in zip(RUNS, results, strict=True):
+        assert result["returncode"] == 0, f"{run_case}: exit {result['returncode']}\n{result['stderr']}"
+    return [(out, result["stdout"]) for out, result in zip(outs, results, strict=True)]
+
+
+@pytest.mark.xdist_group("hf_scripts_4")
+@pytest.mark.parametrize("index", range(len(RUNS)), ids=[f"{s.removesuffix('.py')}-{n}-{f}" for f, s, n, _ in RUNS])
+def test_matches_the_one_process_run(index, four_process_runs, references):
+    (family, script, nproc, _), (out, stdout) = RUNS[index], four_process_runs[index]
+    assert f"model {family} (🤗 transformers" in stdout
     ref = references(family)
     a, b = train_losses(ref), train_losses(out)
     print(f"PARITY {family} {script} {nproc} max|diff| {max(abs(a[s] - b[s]) for s in STEPS if s in a and s in b):.2e}")
