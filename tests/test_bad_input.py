@@ -5,10 +5,11 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from conftest import SCRIPTS, TINY, free_port, job_env, launch_cmd, launch_tiny, run_cmd, run_refused
+from conftest import SCRIPTS, TINY, free_port, job_env, launch_cmd, launch_tiny, run_cmd, run_in_turn, run_refused
 
 
 def tree_digest(root: Path) -> str:
@@ -353,11 +354,33 @@ def test_sharded_scripts_refuse_before_any_work_on_one_process(case, one_process
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
 
 
-@pytest.mark.parametrize("script, nproc, flags, needles", [c for c in SHARDED_REFUSED if c[1] > 1])
-def test_sharded_scripts_refuse_before_any_work(script, nproc, flags, needles, tmp_path, data_cache):
-    out = tmp_path / "run"
-    result = launch_tiny(script, out, data_cache, "--max_steps", "2", *flags, nproc=nproc, check=False, timeout=120)
-    assert_refused(result, *needles)
+MULTI_PROCESS = [c for c in SHARDED_REFUSED if c[1] > 1]
+
+
+@pytest.fixture(scope="module")
+def multi_process_refusals(tmp_path_factory, data_cache):
+    """The multi-process cases of SHARDED_REFUSED, those of one process count in one launch, in turn
+    (run_in_turn): [(result, its output directory)]."""
+    root = tmp_path_factory.mktemp("sharded_refused_multi")
+    outs = [root / str(i) for i in range(len(MULTI_PROCESS))]
+    common = [*TINY, "--max_steps", "2", "--data_cache_dir", data_cache]
+    found = {}
+    for nproc in sorted({c[1] for c in MULTI_PROCESS}):
+        mine = [i for i, c in enumerate(MULTI_PROCESS) if c[1] == nproc]
+        cases = [
+            [str(SCRIPTS / MULTI_PROCESS[i][0]), [*common, *MULTI_PROCESS[i][2], "--output_dir", str(outs[i])]]
+            for i in mine
+        ]
+        for i, result in zip(mine, run_in_turn(cases, nproc, root / f"in_turn_{nproc}"), strict=True):
+            found[i] = SimpleNamespace(**result)
+    return [(found[i], outs[i]) for i in range(len(MULTI_PROCESS))]
+
+
+@pytest.mark.xdist_group("refused_multi")
+@pytest.mark.parametrize("case", range(len(MULTI_PROCESS)), ids=[f"{c[0]}-{c[1]}" for c in MULTI_PROCESS])
+def test_sharded_scripts_refuse_before_any_work(case, multi_process_refusals):
+    result, out = multi_process_refusals[case]
+    assert_refused(result, *MULTI_PROCESS[case][3])
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
 
 
