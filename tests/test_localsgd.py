@@ -17,13 +17,13 @@ from conftest import (
     launch_tiny,
     read_metrics,
     run_cmd,
+    run_in_turn,
     run_refused,
     train_losses,
 )
 
-# the tests of one shared run stay on one xdist worker (its module fixture launches the run once);
-# the others spread over both workers
-K4_GROUP, STREAMING_GROUP = pytest.mark.xdist_group("localsgd_k4"), pytest.mark.xdist_group("localsgd_streaming")
+# the tests of the shared runs stay on one xdist worker (one launch runs them all); the others spread over both
+K4_GROUP = STREAMING_GROUP = pytest.mark.xdist_group("localsgd")  # the module's 2-process runs share one launch
 
 SGD = ["--optimizer", "sgd", "--learning_rate", "0.1", "--max_grad_norm", "0"]
 MERGE = [sys.executable, str(SCRIPTS / "merge_checkpoints.py")]
@@ -42,34 +42,52 @@ STREAMING = [
 ]
 
 
-@pytest.fixture(scope="module")
-def k4_run(tmp_path_factory, data_cache):
-    """AdamW, fusion every 4 steps, 10 steps: fusions at 4, 8 and the end; rank models saved."""
-    out = tmp_path_factory.mktemp("localsgd") / "k4"
-    launch_tiny("train_localsgd.py", out, data_cache, *K4, "--save_rank_models", nproc=2)
-    return out
+OUTER_AVERAGING = [*K4, "--outer_optimizer", "nesterov", "--outer_lr", "1", "--outer_momentum", "0"]
+DILOCO_7 = ["--max_steps", "7", "--sync_every", "3", "--batch_size", "8", "--outer_optimizer", "nesterov"]
+DILOCO_7 += ["--checkpoint_every", "6", "--save_rank_models"]
+SYNC_EVERY_STEP = ["--max_steps", "10", *SGD, "--batch_size", "4", "--sync_every", "1"]
+# the module's 2-process runs, in one launch, in turn (run_in_turn)
+RUNS = {
+    "k4": [*K4, "--save_rank_models"],  # AdamW, fusion every 4 steps, 10 steps: fusions at 4, 8 and the end
+    "streaming": STREAMING,  # Streaming DiLoCo (Nesterov outer SGD, 2 fragments, bf16 all-reduce), a checkpoint at 5
+    "outer_averaging": OUTER_AVERAGING,
+    "diloco_7": DILOCO_7,
+    "sync_every_step": SYNC_EVERY_STEP,
+}
 
 
 @pytest.fixture(scope="module")
-def streaming_run(tmp_path_factory, data_cache):
-    """Streaming DiLoCo (Nesterov outer SGD, 2 fragments, bf16 all-reduce), a checkpoint at step 5."""
-    out = tmp_path_factory.mktemp("localsgd") / "streaming"
-    launch_tiny("train_localsgd.py", out, data_cache, *STREAMING, nproc=2)
-    return out
+def runs(tmp_path_factory, data_cache) -> dict:
+    folder = tmp_path_factory.mktemp("localsgd")
+    outs = {name: folder / name for name in RUNS}
+    cases = [
+        [str(SCRIPTS / "train_localsgd.py"), [*TINY, *flags, "--data_cache_dir", data_cache, "--output_dir", str(out)]]
+        for (name, flags), out in zip(RUNS.items(), outs.values(), strict=True)
+    ]
+    for name, result in zip(RUNS, run_in_turn(cases, 2, folder), strict=True):
+        assert result["returncode"] == 0, f"{name}: exit {result['returncode']}\n{result['stderr']}"
+    return outs
 
 
-def test_sync_every_step_with_sgd_equals_ddp(tmp_path, data_cache):
+@pytest.fixture(scope="module")
+def k4_run(runs):
+    return runs["k4"]
+
+
+@pytest.fixture(scope="module")
+def streaming_run(runs):
+    return runs["streaming"]
+
+
+@K4_GROUP
+def test_sync_every_step_with_sgd_equals_ddp(runs, tmp_path, data_cache):
     """K = 1 with plain SGD is DDP, on `addition`, whose samples hold 2 to 5 targets: each rank's
     loss must be divided by the global batch's target count, not its own (an own count drifts
     by 1e-4 within 10 steps)."""
     common = [*TINY, *SGD, "--max_steps", "10", "--data_cache_dir", data_cache]
     launch("train_ddp.py", [*common, "--batch_size", "8", "--output_dir", str(tmp_path / "ddp")], nproc=1)
-    launch(
-        "train_localsgd.py",
-        [*common, "--batch_size", "4", "--sync_every", "1", "--output_dir", str(tmp_path / "local")],
-        nproc=2,
-    )
-    assert_same_losses(train_losses(tmp_path / "ddp"), train_losses(tmp_path / "local"), list(range(1, 11)), tol=2e-6)
+    local = runs["sync_every_step"]
+    assert_same_losses(train_losses(tmp_path / "ddp"), train_losses(local), list(range(1, 11)), tol=2e-6)
 
 
 @K4_GROUP
@@ -97,23 +115,20 @@ def test_communication_is_k_times_less_than_ddp_in_one_all_reduce_per_fusion(k4_
 
 
 @K4_GROUP
-def test_nesterov_with_lr_1_and_no_momentum_is_averaging(k4_run, tmp_path, data_cache):
+def test_nesterov_with_lr_1_and_no_momentum_is_averaging(k4_run, runs):
     """θ_last − mean(θ_last − θ_r) = mean(θ_r): DiLoCo's outer step at lr 1, momentum 0 is Local SGD."""
-    out = tmp_path / "outer_sgd"
-    flags = ["--outer_optimizer", "nesterov", "--outer_lr", "1", "--outer_momentum", "0"]
-    launch_tiny("train_localsgd.py", out, data_cache, *K4, *flags, nproc=2)
+    out = runs["outer_averaging"]
     assert_same_losses(train_losses(k4_run), train_losses(out), list(range(1, 11)), tol=1e-6)
     a, b = load_file(str(k4_run / "model" / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
-def test_outer_step_is_torch_sgd_with_nesterov(tmp_path, data_cache):
+@K4_GROUP
+def test_outer_step_is_torch_sgd_with_nesterov(runs):
     """The final fusion recomputed in the test: θ_last and the outer momentum from the step-6 checkpoint (after
     the fusions at 3 and 6), the two ranks' models saved at step 7 before the final fusion, and
     torch.optim.SGD(nesterov=True)."""
-    out = tmp_path / "diloco"
-    flags = ["--max_steps", "7", "--sync_every", "3", "--batch_size", "8", "--outer_optimizer", "nesterov"]
-    launch_tiny("train_localsgd.py", out, data_cache, *flags, "--checkpoint_every", "6", "--save_rank_models", nproc=2)
+    out = runs["diloco_7"]
     outer = torch.load(out / "checkpoints" / "step_6" / "extra_state.pt", weights_only=True)
     names, last = outer["names"][0], [t.clone() for t in outer["last"][0]]
     assert outer["outer"][0]["state"], "the first fusion left no momentum"
