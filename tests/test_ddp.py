@@ -10,6 +10,7 @@ import pytest
 
 from conftest import (
     REPO,
+    SCRIPTS,
     TINY,
     accelerate_launch_cmd,
     assert_same_losses,
@@ -20,6 +21,7 @@ from conftest import (
     launch_tiny,
     read_metrics,
     run_cmd,
+    run_in_turn,
     train_losses,
 )
 
@@ -50,9 +52,16 @@ def runs(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("ddp")
     out = {name: root / name for name in ("one", "two", "two_accum")}
     launch_tiny("train_ddp.py", out["one"], data_cache, *FLAGS, "--batch_size", "16", nproc=1)
-    launch_tiny("train_ddp.py", out["two"], data_cache, *FLAGS, "--batch_size", "8", nproc=2)
     accum = ["--batch_size", "4", "--gradient_accumulation_steps", "2"]
-    launch_tiny("train_ddp.py", out["two_accum"], data_cache, *FLAGS, *accum, nproc=2)
+    both = [("two", ["--batch_size", "8"]), ("two_accum", accum)]  # one 2-process launch, in turn
+    cases = [
+        [str(SCRIPTS / "train_ddp.py"), [*TINY, *FLAGS, *flags, "--data_cache_dir", data_cache, "--output_dir"]]
+        for _, flags in both
+    ]
+    for case, (name, _) in zip(cases, both, strict=True):
+        case[1].append(str(out[name]))
+    for (name, _), result in zip(both, run_in_turn(cases, 2, root / "in_turn"), strict=True):
+        assert result["returncode"] == 0, f"{name}: exit {result['returncode']}\n{result['stderr']}"
     return out
 
 
