@@ -13,12 +13,11 @@ step over 4 steps (fp32, 4-digit addition: answers of unequal target counts):
 One launch per process count runs the cases in turn (tests/zoo_driver.py)."""
 
 import json
-import subprocess
 
 import pytest
 from zoo_configs import FAMILIES, MOE_FAMILIES
 
-from conftest import LAUNCH_TIMEOUT, SCRIPTS, TINY, job_env, launch_cmd, train_losses
+from conftest import SCRIPTS, TINY, run_in_turn, train_losses
 
 pytestmark = pytest.mark.xdist_group("hf_tp_plans")  # the launches share the references: one worker runs them
 
@@ -67,17 +66,6 @@ HYBRID = ["--batch_size", "8", "--dp_shard", "2", "--tp_size", "2"]
 KV2_EXTRA_BYTES = 8192
 
 
-def run_in_turn(cases: list, nproc: int, folder) -> tuple[list[dict], str]:
-    """Every case [script, args] in one launch of `nproc` processes -> ([{"returncode", "stderr"}, ...], the
-    launch's stdout: the cases' start banners in turn)."""
-    spec, results = folder / "cases.json", folder / "results.json"
-    spec.write_text(json.dumps({"cases": cases, "results": str(results)}))
-    cmd = launch_cmd("../tests/zoo_driver.py", [str(spec)], nproc=nproc)
-    done = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=4 * LAUNCH_TIMEOUT)
-    assert results.is_file(), f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    return json.loads(results.read_text()), done.stdout
-
-
 def case(script, name, flags, configs, folder, data_cache, run_name=None):
     args = [*TINY, *FLAGS, *flags, "--model_config", str(configs[name]), "--data_cache_dir", data_cache]
     return [str(SCRIPTS / script), [*args, "--output_dir", str(folder / (run_name or name))]]
@@ -97,7 +85,7 @@ def configs(tmp_path_factory):
 def references(configs, data_cache, tmp_path_factory):
     """The one-process train_ddp.py run (global batch 16) of every model that trains under TP, in one launch."""
     folder, names = tmp_path_factory.mktemp("tp_plan_refs"), [*PLAIN_TOO, *KV2]
-    results, _ = run_in_turn([case("train_ddp.py", n, PLAIN, configs, folder, data_cache) for n in names], 1, folder)
+    results = run_in_turn([case("train_ddp.py", n, PLAIN, configs, folder, data_cache) for n in names], 1, folder)
     for name, result in zip(names, results, strict=True):
         assert result["returncode"] == 0, f"one-process train_ddp.py {name}:\n{result['stderr']}"
     return {name: train_losses(folder / name) for name in names}
@@ -139,7 +127,7 @@ def test_every_family_on_2_ranks_matches_or_is_refused(configs, references, data
     refused = ["llama_unknown_style", "llama_param_in_plan", "gpt2"]
     cases = [case("train_tp.py", n, TP, configs, tmp_path, data_cache) for n in refused]
     cases += [case("train_tp.py", n, PLAIN, configs, tmp_path, data_cache, f"{n}_plain") for n in PLAIN_TOO]
-    results, _ = run_in_turn(cases, 2, tmp_path)
+    results = run_in_turn(cases, 2, tmp_path)
     by_name = dict(zip([*refused, *(f"{n}_plain" for n in PLAIN_TOO)], results, strict=True))
     for name in PLAIN_TOO:
         assert_matches(name, by_name[f"{name}_plain"], references, tmp_path, f"{name}_plain")
@@ -169,13 +157,15 @@ def test_kv_heads_fewer_than_tp_are_replicated(configs, references, data_cache, 
     names = [*KV2, *refused, "llama_kv1"]
     cases = [case("train_tp.py", n, TP, configs, tmp_path, data_cache) for n in names[:-1]]
     cases.append(case("train_hybrid.py", "llama_kv1", HYBRID, configs, tmp_path, data_cache))
-    results, stdout = run_in_turn(cases, 4, tmp_path)
+    results = run_in_turn(cases, 4, tmp_path)
     by_name = dict(zip(names, results, strict=True))
     for name in KV2:
         assert_matches(name, by_name[name], references, tmp_path)
         assert summary_of(tmp_path / name)["kv_copies_extra_weight_bytes_per_rank"] == KV2_EXTRA_BYTES, name
     banner = "KV heads: 2 for 4 ranks, so each is replicated on 2 ranks (Megatron)"
-    assert stdout.count(banner) == len(KV2) and f"{KV2_EXTRA_BYTES:,} bytes of weights per rank" in stdout, stdout
+    for name in KV2:
+        stdout = by_name[name]["stdout"]
+        assert banner in stdout and f"{KV2_EXTRA_BYTES:,} bytes of weights per rank" in stdout, stdout
     assert_refused(
         "llama_kv3", by_name["llama_kv3"], tmp_path, "--tp_size 4 neither divides the model's 3 key/value heads"
     )
