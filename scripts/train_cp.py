@@ -69,12 +69,14 @@ def attention_shapes(task, model, device) -> dict:
     """What CP carries, measured on the model through the contract alone (Task.set_attention,
     Task.forward_at): one forward of 2 tokens with a recording attention in every layer gives the query and
     K/V heads and widths as the attention receives them (heads x head_dim; grouped KV heads may arrive
-    repeated) and the layers that call it: the ring's and Ulysses' bytes, and Ulysses' head check."""
-    seen = []
+    repeated), the layers that call it and each one's sliding window (None: the whole past): the ring's and
+    Ulysses' bytes, the ring's chunks, and Ulysses' head check."""
+    seen, windows = [], []
 
-    def recording_attention(q, k, v, dropout_p=0.0):
+    def recording_attention(q, k, v, dropout_p=0.0, window=None, sinks=None, softcap=None):
         kv_width = (k.shape[1] * k.shape[-1] + v.shape[1] * v.shape[-1]) / 2
         seen.append((q.shape[1], k.shape[1], q.shape[1] * q.shape[-1], kv_width))
+        windows.append(window)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
     was_training = model.training
@@ -87,7 +89,8 @@ def attention_shapes(task, model, device) -> dict:
         task.set_attention(model, None)
         model.train(was_training)
     q_heads, kv_heads, q_width, width = seen[0] if seen else (0, 0, 0, 0)
-    return {"q_heads": q_heads, "kv_heads": kv_heads, "q_width": q_width, "width": width, "layers": len(seen)}
+    shapes = {"q_heads": q_heads, "kv_heads": kv_heads, "q_width": q_width, "width": width, "layers": len(seen)}
+    return shapes | {"windows": windows}
 
 
 def head_tail_chunks(cp: int) -> list[list[int]]:
@@ -120,6 +123,44 @@ def blocks_per_rank(chunks_of: list[list[int]]) -> list[int]:
     return [sum(len(causal_blocks(mine, theirs)) for theirs in chunks_of) for mine in chunks_of]
 
 
+# ---------------------------------------- CP: the masks a block can carry
+#   A sliding window of W tokens (Mistral, Gemma 3's sliding layers, gpt-oss's): a query at position p sees the keys
+#   at p - W < j <= p. In blocks of c x c tokens, a (q chunk, kv chunk) pair d = (qc - kc) x c positions apart is
+#   whole (every offset d - c + 1 .. d + c - 1 inside the window), empty (none inside: neither computed nor, when
+#   no rank needs a step of the ring any more, sent), or cropped to the rows and columns that see something, with
+#   a mask of what inside them is kept:
+#       W = 6, c = 4, d = 4 (the chunk just before):   rows 0-4 see cols 0-3 as  . x x x  (x: kept)
+#                                                                                 . . x x
+#                                                                                 . . . x   (row 3: only col 3)
+#                                                                                 . . . .   <- not computed
+def masked_blocks(q_chunks: list[int], kv_chunks: list[int], c: int, window: int | None) -> list[tuple]:
+    """The blocks of `q_chunks` x `kv_chunks` (chunks of c tokens) a causal mask within `window` tokens (None:
+    the whole past) leaves something in: (index of the q chunk, of the kv chunk, rows, cols, causal, keep):
+    `rows`/`cols` slice the block, `causal` is a whole diagonal block, `keep` a bool mask of (rows, cols) or None."""
+    blocks = []
+    for i, qc in enumerate(q_chunks):
+        for j, kc in enumerate(kv_chunks):
+            d = (qc - kc) * c  # the offset of row 0 from col 0: a row a sees col b at offset d + a - b
+            if d < 0 or (window is not None and d - (c - 1) >= window):
+                continue  # after the query chunk, or wholly outside the window
+            if window is None or d + c - 1 < window:
+                blocks.append((i, j, slice(0, c), slice(0, c), d == 0, None))
+                continue
+            rows, cols = torch.arange(min(c, window + c - 1 - d))[:, None], torch.arange(max(0, d - window + 1), c)
+            offset = d + rows - cols[None]
+            keep = (offset >= 0) & (offset < window)
+            blocks.append((i, j, slice(0, rows.shape[0]), slice(int(cols[0]), c), False, keep))
+    return blocks
+
+
+def ring_steps(chunks_of: list[list[int]], c: int, window: int | None) -> int:
+    """How many steps of the ring some rank computes something in: the ring stops after them (the K/V a
+    window leaves unneeded are not sent). Every step without a window."""
+    size = len(chunks_of)
+    needed = [s for s in range(size) for r in range(size) if masked_blocks(chunks_of[r], chunks_of[r - s], c, window)]
+    return max(needed) + 1
+
+
 class Ring:
     """The ring of one CP group: who sends to whom, which chunks each rank holds, what was sent.
     `overlap=False` waits for each transfer before computing (to measure what the overlap hides)."""
@@ -127,17 +168,19 @@ class Ring:
     def __init__(self, group, chunks_of: list[list[int]], overlap: bool = True):
         self.group, self.chunks_of, self.overlap = group, chunks_of, overlap
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)  # CP: send to the next rank
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)  # CP: receive from the previous
         self.sent_bytes = {"forward": 0, "backward": 0}
-        self.blocks_computed = 0
+        self.blocks_computed = self.blocks_skipped = 0
 
-    def start_pass(self, send: torch.Tensor, tag: int, phase: str):
-        """Post: send `send` to the next rank, receive the previous rank's block of the same shape."""
+    def peer(self, hops: int) -> int:
+        """The global rank `hops` ranks further round the ring (negative: back)."""
+        return dist.get_global_rank(self.group, (self.rank + hops) % self.size)
+
+    def start_pass(self, send: torch.Tensor, tag: int, phase: str, hops: int = 1):
+        """Post: send `send` `hops` ranks on (the next one), receive the same shape from as far back."""
         recv = torch.empty_like(send)
         ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group, tag),  # CP: point-to-point, both at once
-            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+            dist.P2POp(dist.isend, send, self.peer(hops), self.group, tag),  # CP: point-to-point, both at once
+            dist.P2POp(dist.irecv, recv, self.peer(-hops), self.group, tag),
         ]
         works = dist.batch_isend_irecv(ops)
         self.sent_bytes[phase] += send.nbytes
@@ -156,76 +199,116 @@ class Ring:
 
 
 # ---------------------------------------- CP: one block of the ring, the fused kernel that returns the log-sum-exp
-#   The kernel PyTorch's own ring attention calls, chosen by device: on CPUs the flash kernel for CPUs; on CUDA
-#   flash (fp16/bf16, no mask) or memory-efficient (fp32, or a mask). `attn_mask` (None today) is where a mask
-#   reaches the kernel: a bool or additive mask of (rows, keys) on CPUs, an additive one on CUDA.
-def _cuda_flash(q, attn_mask) -> bool:
-    return attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
+#   The kernel PyTorch's own ring attention calls, chosen by device: on CPUs the flash kernel for CPUs, a cropped
+#   window block's mask given as an additive float mask; on CUDA flash (fp16/bf16) or memory-efficient (fp32).
+#   Plain matmuls (a materialised score matrix) remain where no kernel takes the scores: soft-capped ones
+#   (Gemma 2), and a cropped window block on CUDA.
+def _cuda_flash(q) -> bool:
+    return q.dtype in (torch.float16, torch.bfloat16)
 
 
-def block_attention(q, k, v, causal: bool, scale: float, attn_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _plain(q, keep, softcap) -> bool:
+    return softcap is not None or (q.is_cuda and keep is not None)
+
+
+def _scores(q, k, scale: float, causal: bool, keep, softcap):
+    """The block's scores in fp32 as the model computes them (soft-capped, masked), and the uncapped tanh."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        scores = softcap * capped
+    if causal:
+        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if keep is not None:
+        scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
+    return scores, capped
+
+
+def block_attention(q, k, v, causal: bool, scale: float, keep=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the query rows `q` over one K/V block: its output and the log-sum-exp of every row,
-    (batch, heads, rows) fp32 contiguous. `causal`: a diagonal block (a chunk over its own keys)."""
+    (batch, heads, rows) fp32 contiguous. `causal`: a diagonal block (a chunk over its own keys); `keep`: the
+    bool mask of a cropped window block; `softcap`: scores soft-capped as softcap * tanh(s / softcap)."""
     aten = torch.ops.aten
+    if _plain(q, keep, softcap):
+        scores, _ = _scores(q, k, scale, causal, keep, softcap)
+        lse = scores.logsumexp(-1)
+        return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse.contiguous()
     if not q.is_cuda:
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=attn_mask, scale=scale
-        )
-    elif _cuda_flash(q, attn_mask):
+        mask = None if keep is None else torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, float("-inf"))
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    elif _cuda_flash(q):
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
     else:
-        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, 0.0, causal, scale=scale)
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
         lse = lse[..., : q.shape[2]]  # its rows come padded to a multiple of 32
     return out, lse.float().contiguous()  # the CPU kernel's is laid out (batch, rows, heads)
 
 
-def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float, attn_mask=None):
+def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None, softcap=None):
     """dq, dk, dv of one block, given the MERGED output and log-sum-exp of its rows (over every block they
-    attend to): the kernel's exp(S - lse) is then this block's share of the whole row's softmax, and its
-    rowsum(dO * O) the whole row's, so the block's gradients are exact parts of the whole."""
+    attend to, and the sink): the kernel's exp(S - lse) is then this block's share of the whole row's softmax,
+    and its rowsum(dO * O) the whole row's, so the block's gradients are exact parts of the whole."""
     aten = torch.ops.aten
+    if _plain(q, keep, softcap):  # flash attention's backward, written out
+        scores, capped = _scores(q, k, scale, causal, keep, softcap)
+        p = torch.exp(scores - lse[..., None])
+        dv = p.transpose(-1, -2) @ dout.float()
+        ds = p * (dout.float() @ v.float().transpose(-1, -2) - (dout.float() * out.float()).sum(-1, keepdim=True))
+        if capped is not None:
+            ds = ds * (1 - capped**2)  # through softcap * tanh(s / softcap)
+        return (
+            (ds @ k.float() * scale).to(q.dtype),
+            (ds.transpose(-1, -2) @ q.float() * scale).to(k.dtype),
+            dv.to(v.dtype),
+        )
     if not q.is_cuda:
+        mask = None if keep is None else torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, float("-inf"))
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=attn_mask, scale=scale
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
         )
     no_rng = torch.empty((), dtype=torch.long)  # dropout's seed and offset: what the kernels return without dropout
-    if _cuda_flash(q, attn_mask):
+    if _cuda_flash(q):
         return aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng, scale=scale
         )
     lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # the efficient kernel's layout: rows padded to a multiple of 32
     grads = aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, attn_mask, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale
+        dout, q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale
     )
     return grads[:3]
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the keys/values of the whole ring.
+    """Causal attention of this rank's queries over the keys/values of the whole ring, within `window` tokens
+    (None: the whole past), with a learned sink logit per head (`sinks`, gpt-oss) and soft-capped scores.
 
     Forward: step s attends to the K/V block of rank (r - s) while the next block travels; each block is one
     fused kernel call (block_attention) returning its output and log-sum-exp, and the partial outputs merge
-    through the log-sum-exp (flash attention's online softmax). Backward: the K/V go round again; each block
-    is the kernel's backward with the merged output and log-sum-exp of its rows; dK/dV of each block
-    accumulate on every rank it visits and reach their owner after cp passes; each pass overlaps the next
-    block's compute."""
+    through the log-sum-exp (flash attention's online softmax); a sink joins the merge as one more logit with
+    a zero value. Backward: the K/V go round again; each block is the kernel's backward with the merged output
+    and log-sum-exp of its rows; dK/dV of each block accumulate on every rank it visits and reach their owner
+    after cp passes (or, when a window ends the ring early, straight from the last rank); each pass overlaps
+    the next block's compute."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
+    def forward(ctx, q, k, v, ring: Ring, window=None, sinks=None, softcap=None):
         B, H, T, D = q.shape
         scale = D**-0.5
         mine = ring.chunks_of[ring.rank]
         c = T // len(mine)
+        steps = ring_steps(ring.chunks_of, c, window)  # CP: a window may leave the last steps unneeded
         out = torch.zeros_like(q, dtype=torch.float32)  # merged in fp32, in the layout of q (the model transposes it)
         lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        for step in range(ring.size):
+        for step in range(steps):
             source = (ring.rank - step) % ring.size
-            pending = ring.start_pass(kv, 0, "forward") if step < ring.size - 1 else None  # CP: next block travels
-            for i, j, diagonal in causal_blocks(mine, ring.chunks_of[source]):  # CP: ... while this one computes
-                rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+            pending = ring.start_pass(kv, 0, "forward") if step < steps - 1 else None  # CP: next block travels
+            blocks = masked_blocks(mine, ring.chunks_of[source], c, window)  # CP: ... while this one computes
+            for i, j, rows, cols, causal, keep in blocks:
+                rows, cols = slice(i * c + rows.start, i * c + rows.stop), slice(j * c + cols.start, (j + 1) * c)
                 block_out, block_lse = block_attention(
-                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], diagonal, scale
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale, keep, softcap
                 )
                 new_lse = torch.logaddexp(lse[:, :, rows], block_lse)  # CP: merge by log-sum-exp
                 out[:, :, rows] = (
@@ -233,32 +316,39 @@ class RingAttention(torch.autograd.Function):
                     + block_out * torch.exp(block_lse - new_lse)[..., None]
                 )
                 lse[:, :, rows] = new_lse
-                ring.blocks_computed += 1
+            ring.blocks_computed += len(blocks)
+            ring.blocks_skipped += len(causal_blocks(mine, ring.chunks_of[source])) - len(blocks)  # the window's
             if pending is not None:
                 kv = Ring.finish(pending)
+        for step in range(steps, ring.size):  # the steps the ring no longer takes: their blocks skipped too
+            ring.blocks_skipped += len(causal_blocks(mine, ring.chunks_of[(ring.rank - step) % ring.size]))
+        if sinks is not None:  # CP: the sink, one more logit of every row, its value zero: only the weights shrink
+            new_lse = torch.logaddexp(lse, sinks.float().view(1, H, 1))
+            out, lse = out * torch.exp(lse - new_lse)[..., None], new_lse
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.ring, ctx.window, ctx.softcap = ring, window, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        ring, window, softcap = ctx.ring, ctx.window, ctx.softcap
         T, D = q.shape[2], q.shape[3]
         scale = D**-0.5
         mine = ring.chunks_of[ring.rank]
         c = T // len(mine)
+        steps = ring_steps(ring.chunks_of, c, window)
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v]).contiguous()
         dkv_pending = None
-        for step in range(ring.size):
+        for step in range(steps):
             source = (ring.rank - step) % ring.size
-            pending = ring.start_pass(kv, 0, "backward") if step < ring.size - 1 else None  # CP: K/V again
+            pending = ring.start_pass(kv, 0, "backward") if step < steps - 1 else None  # CP: K/V again
             dkv = torch.zeros_like(kv)  # this rank's share of the visiting block's dK, dV
-            for i, j, diagonal in causal_blocks(mine, ring.chunks_of[source]):
-                rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+            for i, j, rows, cols, causal, keep in masked_blocks(mine, ring.chunks_of[source], c, window):
+                rows, cols = slice(i * c + rows.start, i * c + rows.stop), slice(j * c + cols.start, (j + 1) * c)
                 dqi, dkj, dvj = block_attention_backward(  # CP: the kernel's backward, the rows' merged out and lse
                     dout[:, :, rows],
                     q[:, :, rows],
@@ -266,26 +356,34 @@ class RingAttention(torch.autograd.Function):
                     kv[1][:, :, cols],
                     out[:, :, rows],
                     lse[:, :, rows].contiguous(),
-                    diagonal,
+                    causal,
                     scale,
+                    keep,
+                    softcap,
                 )
                 dq[:, :, rows] += dqi
                 dkv[0][:, :, cols] += dkj
                 dkv[1][:, :, cols] += dvj
             if dkv_pending is not None:  # CP: the block's dK/dV so far, from the ranks it visited before
                 dkv += Ring.finish(dkv_pending)
-            dkv_pending = ring.start_pass(dkv, 1, "backward")  # CP: dK/dV travel on with their block
+            if steps > 1:  # CP: dK/dV travel on with their block; after the last step, straight to its owner
+                dkv_pending = ring.start_pass(dkv, 1, "backward", 1 if step < steps - 1 else ring.size - steps + 1)
             if pending is not None:
                 kv = Ring.finish(pending)
-        dkv = Ring.finish(dkv_pending)  # after cp passes: this rank's own dK, dV, summed over the ring
-        return dq, dkv[0], dkv[1], None
+        dkv = Ring.finish(dkv_pending) if steps > 1 else dkv  # this rank's own dK, dV, summed over the ring
+        dsinks = None
+        if sinks is not None:  # d out / d sink = -p_sink * out for every row: summed over this rank's rows
+            row_dot = (dout.float() * out.float()).sum(-1)
+            dsinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * row_dot).sum((0, 2)).to(sinks.dtype)
+        return dq, dkv[0], dkv[1], None, None, dsinks, None
 
 
 def ring_attention(ring: Ring):
-    """The attention function the model calls in place of causal SDPA (Task.set_attention)."""
+    """The attention function the model calls in place of causal SDPA (Task.set_attention): within `window`
+    tokens, with `sinks` and soft-capped scores where the model has them."""
 
-    def attention(q, k, v, dropout_p: float = 0.0):
-        return RingAttention.apply(q, k, v, ring)
+    def attention(q, k, v, dropout_p: float = 0.0, window=None, sinks=None, softcap=None):
+        return RingAttention.apply(q, k, v, ring, window, sinks, softcap)
 
     attention.ring = ring  # what it sent (the summary)
     return attention
@@ -356,30 +454,68 @@ class Ulysses:
 
 def ulysses_attention(ulysses: Ulysses):
     """The attention function the model calls in place of causal SDPA (Task.set_attention): q, k, v to head
-    shards of whole sequences, the fused kernel, the output back to this rank's tokens."""
+    shards of whole sequences, the fused kernel (a window as its mask), the output back to this rank's tokens.
+    Sinks and soft-capped scores, which no fused kernel takes, are computed as plain matmuls."""
 
-    def attention(q, k, v, dropout_p: float = 0.0):
+    def attention(q, k, v, dropout_p: float = 0.0, window=None, sinks=None, softcap=None):
         q, k, v = (ulysses.seq_to_heads(t) for t in (q, k, v))  # CP: 3 all-to-alls: tokens/cp -> heads/cp
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        h = q.shape[1]  # this rank's heads: h x rank .. h x (rank + 1) of the model's
+        sinks = None if sinks is None else sinks[h * ulysses.rank : h * (ulysses.rank + 1)]
+        out = whole_sequence_attention(q, k, v, window, sinks, softcap)
         return ulysses.heads_to_seq(out)  # CP: the 4th all-to-all: heads/cp -> tokens/cp
 
     attention.ulysses = ulysses  # what it sent (the summary)
     return attention
 
 
-def cp_chunks(cp: int, impl: str = "ring") -> list[list[int]]:
-    """Which chunks each rank holds: the ring balances the causal work with head-tail chunks (2 x cp);
+def whole_sequence_attention(q, k, v, window=None, sinks=None, softcap=None):
+    """Causal attention over whole sequences, within `window` tokens: fused SDPA (the window as a bool mask);
+    with sinks or soft-capping, the scores written out (the sink one more column, dropped after the softmax)."""
+    T, gqa = q.shape[2], k.shape[1] != q.shape[1]
+    offset = torch.arange(T, device=q.device)[:, None] - torch.arange(T, device=q.device)
+    keep = (offset >= 0) & (offset < (window or T))
+    if sinks is None and softcap is None:
+        if window is None or window >= T:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
+    if gqa:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1).to(scores.dtype)], -1)
+    return torch.softmax(scores, dim=-1)[..., :T].to(v.dtype) @ v
+
+
+def cp_chunks(cp: int, impl: str = "ring", windows=None, seq_len: int = 0) -> list[list[int]]:
+    """Which chunks each rank holds: the ring balances the causal work with head-tail chunks (2 x cp), unless
+    the layers' sliding `windows` let contiguous chunks (rank r: chunk r of cp) end the ring in fewer steps
+    (each rank then needs only its neighbours' K/V: fewer bytes, and the work is balanced by the window);
     Ulysses computes whole sequences on every rank, already balanced: chunk r of cp."""
-    return head_tail_chunks(cp) if impl == "ring" else contiguous_chunks(cp)
+    if impl != "ring":
+        return contiguous_chunks(cp)
+    if windows and all(windows):
+        head_tail, contiguous = head_tail_chunks(cp), contiguous_chunks(cp)
+        steps_of = {
+            name: sum(ring_steps(chunks, seq_len // sum(map(len, chunks)), w) for w in windows)
+            for name, chunks in (("head_tail", head_tail), ("contiguous", contiguous))
+        }
+        if steps_of["contiguous"] < steps_of["head_tail"]:
+            return contiguous
+    return head_tail_chunks(cp)
 
 
-def apply_context_parallel(model, task, layout: Layout, impl: str = "ring"):
+def apply_context_parallel(model, task, layout: Layout, impl: str = "ring", windows=None):
     """Every attention layer of the model becomes the ring (head-tail chunks) or Ulysses' all-to-alls
-    (chunk r of cp) over this rank's CP group; returns the attention function installed."""
+    (chunk r of cp) over this rank's CP group; returns the attention function installed. `windows`: the
+    layers' sliding windows (attention_shapes), which may choose other chunks (cp_chunks)."""
+    chunks_of = cp_chunks(layout.cp, impl, windows, task.tokens_per_sample)
     if impl == "ulysses":
-        attention = ulysses_attention(Ulysses(layout.group("cp"), cp_chunks(layout.cp, impl)))
+        attention = ulysses_attention(Ulysses(layout.group("cp"), chunks_of))
     else:
-        attention = ring_attention(Ring(layout.group("cp"), cp_chunks(layout.cp, impl)))
+        attention = ring_attention(Ring(layout.group("cp"), chunks_of))
     task.set_attention(model, attention)  # CP: the model contract's hook (Task.set_attention)
     return attention
 
@@ -407,20 +543,25 @@ def plain_attention(task, model, attention):
         task.set_attention(model, attention)
 
 
-def ring_bytes_per_step(layout: Layout, batch_size: int, seq_len: int, width: int, layers: int, accum: int) -> dict:
+def ring_bytes_per_step(
+    layout: Layout, batch_size: int, seq_len: int, width: int, layers: int, accum: int, steps=None
+) -> dict:
     """The ring's traffic per rank and optimizer step, fp32: per layer (cp-1) K/V blocks in forward;
-    in backward (cp-1) K/V blocks again plus cp dK/dV blocks. A K/V block: 2 x b x s/cp x d."""
+    in backward (cp-1) K/V blocks again plus cp dK/dV blocks. A K/V block: 2 x b x s/cp x d. `steps`: the
+    ring steps of each layer where a sliding window ends the ring early (ring_steps; default cp each): S
+    steps send S-1 K/V blocks each way and S dK/dV blocks (none when S is 1)."""
     block = 2 * batch_size * (seq_len // layout.cp) * width * 4
-    forward = (layout.cp - 1) * block * layers * accum
-    backward = ((layout.cp - 1) + layout.cp) * block * layers * accum
+    steps = steps or [layout.cp] * layers
+    forward = sum(s - 1 for s in steps) * block * accum
+    backward = sum((s - 1) + (s if s > 1 else 0) for s in steps) * block * accum
     return {"forward": forward, "backward": backward}
 
 
-def cp_loss(task, layout: Layout, device, impl: str = "ring"):
+def cp_loss(task, layout: Layout, device, impl: str = "ring", windows=None):
     """The loss of this rank's tokens of a micro-batch, `with loss(model, micro_batch) as loss_sum:`, a context
     its backward runs in (PyTorch's context_parallel must see both). Chosen once, for cp_forward_backward:
     without CP the whole sequence; under the ring this rank's chunks (r and 2cp-1-r), under Ulysses chunk r of
-    cp (cp_chunks), at their real positions."""
+    cp (cp_chunks: `windows` as apply_context_parallel's), at their real positions."""
     if layout.cp == 1:
 
         @contextmanager
@@ -429,7 +570,7 @@ def cp_loss(task, layout: Layout, device, impl: str = "ring"):
 
         return whole_sequence_loss
     # CP: this rank's tokens, at the same positions of every sequence (its chunks), and their targets
-    chunks_of = cp_chunks(layout.cp, impl)
+    chunks_of = cp_chunks(layout.cp, impl, windows, task.tokens_per_sample)
     positions = rank_positions(task.tokens_per_sample, chunks_of[layout.cp_rank], sum(map(len, chunks_of)), device)
 
     @contextmanager
@@ -483,24 +624,46 @@ def cp_start_line(layout: Layout, args, seq_len: int, kv_shape, impl: str = "rin
         )
         return cp_line, formula
     width, layers, accum = kv_shape["width"], kv_shape["layers"], args.gradient_accumulation_steps
-    ring_formula = ring_bytes_per_step(layout, args.batch_size, seq_len, width, layers, accum)
+    windows = kv_shape.get("windows") or [None] * layers
+    chunks_of = cp_chunks(layout.cp, impl, windows, seq_len)  # CP: a window may choose contiguous chunks
+    c = seq_len // sum(map(len, chunks_of))
+    steps = [ring_steps(chunks_of, c, w) for w in windows]
+    ring_formula = ring_bytes_per_step(layout, args.batch_size, seq_len, width, layers, accum, steps)
+    full = ring_bytes_per_step(layout, args.batch_size, seq_len, width, layers, accum)
+    not_sent = sum(full.values()) - sum(ring_formula.values())
+    held = (
+        f"chunks r and {2 * layout.cp - 1}-r of {2 * layout.cp}"
+        if len(chunks_of[0]) == 2
+        else f"chunk r of {layout.cp}: the windows need only the neighbours' K/V"
+    )
+    windowed = sum(w is not None for w in windows)
+    window_part = (
+        f"; sliding windows in {windowed} of {layers} layers: the ring stops after {min(steps)} of {layout.cp} "
+        f"steps there, {not_sent / 2**20:.3f} MiB per step not sent"
+        if not_sent
+        else ""
+    )
     cp_line = (
         f"context parallel (ring): {layout.cp} ranks per ring x {layout.dp} data-parallel; each rank "
-        f"holds {seq_len // layout.cp} of the {seq_len} tokens (chunks r and {2 * layout.cp - 1}-r of "
-        f"{2 * layout.cp}); ring traffic per rank and step: {ring_formula['forward'] / 2**20:.3f} MiB forward, "
-        f"{ring_formula['backward'] / 2**20:.3f} MiB backward; FSDP over dp x cp = {layout.dp * layout.cp} ranks"
+        f"holds {seq_len // layout.cp} of the {seq_len} tokens ({held}); ring traffic per rank and step: "
+        f"{ring_formula['forward'] / 2**20:.3f} MiB forward, {ring_formula['backward'] / 2**20:.3f} MiB backward"
+        f"{window_part}; FSDP over dp x cp = {layout.dp * layout.cp} ranks"
     )
-    return cp_line, ring_formula
+    return cp_line, ring_formula | ({"not_sent": not_sent} if not_sent else {})
 
 
 def ring_traffic(sender, ring_formula: dict, steps: int, name: str = "ring") -> dict:
     """The summary's measured traffic of the run (`sender`: the Ring, or Ulysses and its all-to-all buffers,
-    name "all_to_all"), per rank and step, beside the formula's."""
+    name "all_to_all"), per rank and step, beside the formula's; under sliding windows, the ring's bytes not
+    sent (per rank and step)."""
     steps = max(steps, 1)
-    return {
+    traffic = {
         f"{name}_mib_per_step_rank": {k: round(v / steps / 2**20, 4) for k, v in sender.sent_bytes.items()},
-        f"{name}_formula_mib_per_step_rank": {k: round(v / 2**20, 4) for k, v in ring_formula.items()},
+        f"{name}_formula_mib_per_step_rank": {k: round(ring_formula[k] / 2**20, 4) for k in ("forward", "backward")},
     }
+    if "not_sent" in ring_formula:
+        traffic[f"{name}_not_sent_by_windows_mib_per_step_rank"] = round(ring_formula["not_sent"] / 2**20, 4)
+    return traffic
 
 
 def check_cp_size(cp_size: int, n_processes: int) -> None:
@@ -620,12 +783,13 @@ def main():
     # ---------------------------------------- CP: the strategy
     attention = None
     if layout.cp > 1:  # CP: every attention layer becomes the ring over the CP group
-        attention = apply_context_parallel(model, task, layout, args.cp_impl)
+        attention = apply_context_parallel(model, task, layout, args.cp_impl, kv_shape["windows"])
     if args.compile:
         compile_units(units, accelerator)
     if layout.world_size > 1:  # FSDP over dp_shard x cp: gradients reduce over both (CP ranks hold the same weights)
         apply_fsdp(units, [model], layout.fsdp_mesh, accelerator.mixed_precision)
-    loss_of = cp_loss(task, layout, accelerator.device, args.cp_impl)  # the loss of this rank's tokens
+    windows = kv_shape["windows"] if kv_shape else None  # CP: the layers' sliding windows choose the chunks
+    loss_of = cp_loss(task, layout, accelerator.device, args.cp_impl, windows)  # the loss of this rank's tokens
     grad_scale = layout.dp * layout.cp  # FSDP averages the gradients over dp x cp ranks: the step scales back
 
     # ---------------------------------------- optimizer (after sharding: it sees the shards)

@@ -1,10 +1,14 @@
-"""The ring attention of scripts/train_cp.py alone, against causal SDPA on random q/k/v (tests/test_cp.py).
+"""The ring attention of scripts/train_cp.py alone, against attention over the whole sequence on random q/k/v
+(tests/test_cp.py).
 
 Run under torchrun (gloo) on 4 processes: sub-groups of the first 2, 3 and 4 ranks each form a ring;
 per ring, with head-tail chunks and with contiguous ones, every rank checks its slice of the forward
-output and of the gradients of q, k and v against SDPA over the whole sequence, and counts the
-attention blocks it computed. Rank 0 prints one JSON line: per ring size, the worst error over the
-ranks and the blocks each rank computed."""
+output and of the gradients of q, k and v against causal SDPA over the whole sequence, and counts the
+attention blocks it computed. Then the masks, on rings of 2 and 4, both chunkings: sliding windows smaller
+than, equal to and larger than a chunk, sinks (their gradient summed over the ring), soft-capped scores,
+against the scores written out; the bytes sent against ring_bytes_per_step with the steps the window leaves.
+Rank 0 prints one JSON line: per case, the worst error over the ranks, the blocks each rank computed and
+skipped, and the bytes sent and predicted."""
 
 import json
 import sys
@@ -15,28 +19,65 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from train_cp import Ring, RingAttention, contiguous_chunks, head_tail_chunks, rank_positions
+from train_cp import Ring, RingAttention, contiguous_chunks, head_tail_chunks, rank_positions, ring_steps
+
+B, H, T, D = 2, 3, 8 * 2 * 3 * 4, 16  # T divides 2 x cp for cp = 2, 3, 4: chunks of 24 (head-tail, cp 4) to 96
+MASKS = {  # name: (window, sinks, softcap)
+    "window5": (5, False, None),  # smaller than every chunk
+    "window24": (24, False, None),  # equal to the head-tail chunk at cp 4
+    "window60": (60, False, None),  # larger than a chunk at cp 4 (24 and 48 tokens) and head-tail cp 2's (48)
+    "sinks": (None, True, None),
+    "window24_sinks": (24, True, None),
+    "softcap": (None, False, 2.0),
+    "window5_softcap": (5, False, 2.0),
+}
 
 
-def check(group, cp: int, chunks_of: list[list[int]]) -> tuple[float, int]:
-    """The worst |ring - SDPA| of this rank (output, dq, dk, dv), and the blocks it computed."""
-    torch.manual_seed(cp)  # the same q, k, v, dout on every rank
-    B, H, T, D = 2, 3, 8 * 2 * 3 * 4, 16  # T divides 2 x cp for cp = 2, 3, 4
+def reference(q, k, v, window=None, sinks=None, softcap=None):
+    """Attention as the 🤗 eager code computes it: scores, soft-capped, masked to p - window < j <= p, a sink
+    column per head, softmax, the sink dropped."""
+    scores = q @ k.transpose(-1, -2) * D**-0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    offset = torch.arange(T)[:, None] - torch.arange(T)
+    scores = scores.masked_fill(~((offset >= 0) & (offset < (window or T))), float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(B, H, T, 1)], -1)
+    return torch.softmax(scores, -1)[..., :T] @ v
+
+
+def check(group, cp: int, chunks_of: list[list[int]], mask=(None, False, None)) -> dict:
+    """The worst |ring - whole sequence| of this rank (output, dq, dk, dv, dsinks), the blocks it computed and
+    skipped, the bytes it sent and the formula's."""
+    window, with_sinks, softcap = mask
+    torch.manual_seed(cp)  # the same q, k, v, dout, sinks on every rank
     q, k, v, dout = (torch.randn(B, H, T, D) for _ in range(4))
+    sinks = torch.randn(H) if with_sinks else None
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*full, is_causal=True)
+    full_sinks = sinks.clone().requires_grad_() if with_sinks else None
+    if mask == (None, False, None):
+        out = F.scaled_dot_product_attention(*full, is_causal=True)
+    else:
+        out = reference(*full, window, full_sinks, softcap)
     out.backward(dout)
 
     ring = Ring(group, chunks_of)
     n_chunks = sum(len(c) for c in chunks_of)
     pos = rank_positions(T, chunks_of[ring.rank], n_chunks)
     mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-    out_mine = RingAttention.apply(*mine, ring)
-    blocks = ring.blocks_computed
+    my_sinks = sinks.clone().requires_grad_() if with_sinks else None
+    out_mine = RingAttention.apply(*mine, ring, window, my_sinks, softcap)
+    blocks, skipped = ring.blocks_computed, ring.blocks_skipped
     out_mine.backward(dout[:, :, pos])
     errors = [(out_mine - out[:, :, pos]).detach().abs().max()]
     errors += [(m.grad - f.grad[:, :, pos]).abs().max() for m, f in zip(mine, full, strict=True)]
-    return float(torch.stack(errors).max()), blocks
+    if with_sinks:  # each rank's share of the sinks' gradient: its rows; the whole one is their sum
+        dist.all_reduce(my_sinks.grad, group=group)
+        errors.append((my_sinks.grad - full_sinks.grad).abs().max())
+    steps = ring_steps(chunks_of, T // n_chunks, window)
+    block = 2 * B * H * (T // cp) * D * 4  # one rank's K and V, fp32
+    formula = {"forward": (steps - 1) * block, "backward": ((steps - 1) + (steps if steps > 1 else 0)) * block}
+    return {"error": float(torch.stack(errors).max()), "blocks": blocks, "skipped": skipped}, ring.sent_bytes, formula
 
 
 def main():
@@ -48,13 +89,20 @@ def main():
         if rank >= cp:
             continue
         for name, chunks_of in (("head_tail", head_tail_chunks(cp)), ("contiguous", contiguous_chunks(cp))):
-            error, blocks = check(group, cp, chunks_of)
-            gathered = [None] * cp
-            dist.all_gather_object(gathered, (error, blocks), group=group)
-            results[f"{cp}_{name}"] = {
-                "max_error": max(e for e, _ in gathered),
-                "blocks_per_rank": [b for _, b in gathered],
-            }
+            cases = {f"{cp}_{name}": (None, False, None)}
+            if cp != 3:
+                cases |= {f"{cp}_{name}_{m}": mask for m, mask in MASKS.items()}
+            for case, mask in cases.items():
+                mine, sent, formula = check(group, cp, chunks_of, mask)
+                gathered = [None] * cp
+                dist.all_gather_object(gathered, (mine, sent), group=group)
+                results[case] = {
+                    "max_error": max(m["error"] for m, _ in gathered),
+                    "blocks_per_rank": [m["blocks"] for m, _ in gathered],
+                    "skipped_per_rank": [m["skipped"] for m, _ in gathered],
+                    "sent_per_rank": [s for _, s in gathered],
+                    "formula": formula,
+                }
     dist.barrier()
     if rank == 0:
         print("RESULT " + json.dumps(results))

@@ -96,7 +96,11 @@ def test_checkpoint_of_cp4_resumes_on_cp2(tmp_path, text_files, data_cache, shar
 def test_ring_matches_sdpa_and_head_tail_balances():
     """One 4-process launch: rings of 2, 3 and 4 ranks (sub-groups), each with head-tail and with
     contiguous chunks: output and the gradients of q, k, v equal causal SDPA's within 1e-5, and the
-    attention blocks each rank computed are those blocks_per_rank counts."""
+    attention blocks each rank computed are those blocks_per_rank counts. With the masks (rings of 2 and 4):
+    sliding windows of 5, 24 and 60 tokens (smaller than, equal to and larger than a chunk), sinks (and
+    their gradient), soft-capped scores, each against the scores written out within 1e-5; a window skips
+    blocks, and on contiguous chunks at cp 4 a 5-token window ends the ring after 2 of its 4 steps: a
+    third of the forward bytes, every rank's bytes those of ring_bytes_per_step's formula."""
     port = str(free_port())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", port]
     result = run_cmd([*cmd, str(REPO / "tests" / "cp_ring_check.py")], env=job_env(), timeout=180)
@@ -107,6 +111,14 @@ def test_ring_matches_sdpa_and_head_tail_balances():
         assert balanced["max_error"] < 1e-5 and unbalanced["max_error"] < 1e-5, (cp, results)
         assert balanced["blocks_per_rank"] == blocks_per_rank(head_tail_chunks(cp))
         assert unbalanced["blocks_per_rank"] == blocks_per_rank(contiguous_chunks(cp))
+    masked = {name: r for name, r in results.items() if name.count("_") > 1 and not name.endswith("head_tail")}
+    assert len(masked) == 2 * 2 * 7, sorted(results)
+    for name, r in masked.items():
+        assert r["max_error"] < 1e-5, (name, r)
+        assert all(sent == r["formula"] for sent in r["sent_per_rank"]), (name, r)
+        assert ("window" in name) == (sum(r["skipped_per_rank"]) > 0) or "contiguous" in name, (name, r)
+    full, windowed = results["4_contiguous"]["formula"], results["4_contiguous_window5"]["formula"]
+    assert windowed["forward"] * 3 == full["forward"] and sum(results["4_head_tail_window5"]["skipped_per_rank"]) == 21
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])

@@ -553,7 +553,7 @@ class HFCausalLMTask(CausalLMTask):
         ring computes this family's attention: check_ring_computes). Grouped KV heads are repeated to the query
         heads first; a family's own score scale (Gemma 3's query_pre_attn_scalar, DeepSeek-V3's) is put on the
         queries, since the ring scales by 1/sqrt(head_dim); the mask transformers would build is not needed
-        (the function is causal)."""
+        (the function is causal, and takes the layer's sliding window, sinks and soft-capping as keywords)."""
         self.check_ring_computes(model)
         if attention is None:
             model.config._attn_implementation = self.attn_implementation  # as load_hf_model built it
@@ -570,7 +570,12 @@ class HFCausalLMTask(CausalLMTask):
             v_dim = value.shape[-1]
             if v_dim < key.shape[-1]:  # DeepSeek-V3's latent attention: narrower values; the ring sends k, v stacked
                 value = nn.functional.pad(value, (0, key.shape[-1] - v_dim))  # zero columns out, cut off below
-            out = attention(query, key, value)[..., :v_dim]
+            masks = {  # what the family's layer declares: its window (None on full layers), sinks, soft-capping
+                "window": kwargs.get("sliding_window"),
+                "sinks": kwargs.get("s_aux"),
+                "softcap": kwargs.get("softcap"),
+            }
+            out = attention(query, key, value, **{k: v for k, v in masks.items() if v is not None})[..., :v_dim]
             return out.transpose(1, 2).contiguous(), None  # transformers wants (B, T, H, D)
 
         AttentionInterface.register(REPLACED_ATTENTION, replaced_attention)
@@ -578,35 +583,15 @@ class HFCausalLMTask(CausalLMTask):
         model.config._attn_implementation = REPLACED_ATTENTION
 
     def check_ring_computes(self, model: nn.Module) -> None:
-        """The ring computes causal softmax attention over the whole sequence and nothing else: a family whose
-        attention differs (a sliding window shorter than the sequence, attention sinks, soft-capped scores,
-        attention dropout) is refused before training, one line, rather than trained on other scores."""
-        c, seq_len, family = self.hf_config, self.tokens_per_sample, self.hf_config.model_type
-        n_layers = c.num_hidden_layers
-        kinds = getattr(c, "layer_types", None) or ["sliding_attention" if _window(c) else "full_attention"] * n_layers
-        window = _window(c)
-        if "sliding_attention" in kinds and window and window < seq_len:
-            n = kinds.count("sliding_attention")
-            raise UsageError(
-                f"--cp_size: {family} attends within a sliding window of {window} tokens in {n} of its {n_layers} "
-                f"layers, shorter than the {seq_len}-token sequence, and context parallelism (ring or Ulysses) "
-                "computes full causal attention only: train it without --cp_size"
-            )
-        if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
-            raise UsageError(
-                f"--cp_size: {family}'s attention has learned sinks (an extra logit in every softmax), which "
-                "context parallelism's softmax does not hold: train it without --cp_size"
-            )
-        for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
-            if getattr(c, key, None):
-                raise UsageError(
-                    f"--cp_size: {family} soft-caps its attention scores ({key} {getattr(c, key)}), which the ring "
-                    "does not: train it without --cp_size"
-                )
+        """Context parallelism computes causal softmax attention with what a family's layers pass to the
+        attention function (each layer's sliding window, gpt-oss's sinks, Gemma 2's soft-capping, the score scale);
+        what it does not compute is refused before training, one line, rather than trained on other scores:
+        attention dropout."""
+        c, family = self.hf_config, self.hf_config.model_type
         if getattr(c, "attention_dropout", 0.0):
             raise UsageError(
-                f"--cp_size: {family} drops attention weights (attention_dropout {c.attention_dropout}), which the "
-                "ring does not: set attention_dropout 0 in the config, or train without --cp_size"
+                f"--cp_size: {family} drops attention weights (attention_dropout {c.attention_dropout}), which "
+                "context parallelism does not: set attention_dropout 0 in the config, or train without --cp_size"
             )
 
     def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
@@ -629,11 +614,3 @@ class HFCausalLMTask(CausalLMTask):
         if missing or unexpected:
             raise RuntimeError(f"the state dict does not fit the model: missing {missing}, unexpected {unexpected}")
         return model  # the rotary inv_freq buffers stay on meta: not persistent, so neither saved nor needed
-
-
-def _window(config) -> int | None:
-    """The sliding window the config's sliding-attention layers use (None: none). Qwen2 keeps a window in its
-    config that only applies with use_sliding_window."""
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return getattr(config, "sliding_window", None)
