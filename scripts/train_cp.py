@@ -21,6 +21,9 @@ travel around a ring of the CP ranks, one block per step, while this rank comput
     each b x s/cp x d per rank, (cp-1)/cp of it sent: half the ring's bytes at cp 2, 3/10 at cp 4, but
     not hidden behind compute, and the heads must divide by cp.
 
+    masks (both): each layer's sliding window (a block whole, cropped with a mask, or skipped; steps no rank
+    needs are not sent), learned sinks (one more logit of the log-sum-exp), soft-capped scores (plain matmuls)
+
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_cp.py \\
         --dataset pystdlib --block_size 1024
@@ -731,7 +734,8 @@ def main():
         default="ring",
         help="ring: K/V travel around the ranks, any head count (sequence divisible by 2 x cp); ulysses: an "
         "all-to-all turns sequence shards into head shards, fused attention on whole sequences, an all-to-all "
-        "back: fewer bytes (half the ring's at cp 2), but the heads (and K/V heads) must divide by cp (docs/cp.md)",
+        "back: fewer bytes (half the ring's at cp 2), but the heads (and K/V heads) must divide by cp; both honour "
+        "each layer's sliding window, sinks and soft-capping (docs/cp.md)",
     )
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/cp"
