@@ -638,25 +638,39 @@ def cp_record(traffic: dict, impl: str) -> dict:
             "ulysses_all_to_all_calls_per_layer": traffic["calls_per_layer"],
             "ulysses_s": round(traffic["seconds"], 6),
         }
-    return {"cp_impl": impl, "ring_bytes_per_layer": traffic["per_layer"], "ring_s": round(traffic["seconds"], 6)}
+    steps = {"ring_steps": traffic["steps"]} if "steps" in traffic else {}
+    return {
+        "cp_impl": impl,
+        "ring_bytes_per_layer": traffic["per_layer"],
+        "ring_s": round(traffic["seconds"], 6),
+    } | steps
 
 
 def ring_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links: dict) -> dict:
     """Context parallelism's ring (train_cp.py), per rank: a K/V block is 2 x micro-batch x seq/cp x d/tp;
     per layer and micro-batch (cp-1) blocks in forward, (cp-1) K/V plus cp dK/dV blocks in backward. A ring
     of tp x cp consecutive ranks stays inside a node while it fits; its time is bytes over the measured
-    point-to-point bandwidth (preflight's ring_p2p), else the link's all-reduce bandwidth.
+    point-to-point bandwidth (preflight's ring_p2p), else the link's all-reduce bandwidth. With
+    --sliding_window, the ring stops after the steps some rank still needs (train_cp.py's ring_steps, on the
+    chunks it would choose): S steps send S-1 K/V blocks each way and S dK/dV blocks (none when S is 1).
     --cp_impl ulysses: ulysses_traffic instead."""
     if args.cp_impl == "ulysses":
         return ulysses_traffic(cfg, layout, args, micro_batch, bf16, links)
     block = 2 * micro_batch * (args.seq_len // layout.cp) * cfg.n_embd // layout.tp * (2 if bf16 else 4)
-    per_layer = {"forward": (layout.cp - 1) * block, "backward": (2 * layout.cp - 1) * block}
+    steps, window = layout.cp, getattr(args, "sliding_window", None)
+    if window and layout.cp > 1:
+        from train_cp import cp_chunks, ring_steps  # the ring's own rule: which steps a window leaves needed
+
+        chunks_of = cp_chunks(layout.cp, "ring", [window], args.seq_len)
+        steps = ring_steps(chunks_of, args.seq_len // sum(map(len, chunks_of)), window)
+    per_layer = {"forward": (steps - 1) * block, "backward": ((steps - 1) + (steps if steps > 1 else 0)) * block}
     link = links["intra_node" if layout.tp * layout.cp <= args.gpus_per_node else "inter_node"]
     bandwidth = link.get("ring_p2p_GBps") or link["bandwidth_GBps"]
     layers = math.ceil(cfg.n_layer / layout.pp)
-    calls = 2 * layout.cp * layers * args.n_microbatches if layout.cp > 1 else 0
+    calls = 2 * steps * layers * args.n_microbatches if steps > 1 else 0
     total = sum(per_layer.values()) * layers * args.n_microbatches
-    return {"per_layer": per_layer, "seconds": total / (bandwidth * 1e9) + calls * link["latency_us"] * 1e-6}
+    seconds = total / (bandwidth * 1e9) + calls * link["latency_us"] * 1e-6
+    return {"per_layer": per_layer, "seconds": seconds} | ({"steps": steps} if window else {})
 
 
 def ulysses_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links: dict) -> dict:
@@ -835,6 +849,13 @@ def build_args() -> argparse.ArgumentParser:
         default="ring",
         help="how --cp_size cuts (train_cp.py --cp_impl): ring, K/V around the ranks (hidden behind compute); "
         "ulysses, 8 all-to-alls per layer (q, k, v, output; forward and backward), the heads divisible by cp",
+    )
+    g.add_argument(
+        "--sliding_window",
+        type=int,
+        default=None,
+        help="tokens each query attends to in every layer (a config's sliding_window, as Mistral's): the ring "
+        "stops after the steps some rank still needs and sends fewer K/V (train_cp.py); Ulysses' bytes stay",
     )
     g = p.add_argument_group("training step (as the training scripts take it)")
     g.add_argument(

@@ -250,6 +250,24 @@ def test_context_parallel_cuts_activations_and_adds_the_ring(monkeypatch, capsys
     assert "ring_bytes_per_layer" not in plain
 
 
+def test_a_sliding_window_ends_the_ring_early(monkeypatch, capsys):
+    """--sliding_window 256 at cp 4 on 2048 tokens: the ring's own rule (train_cp.py's cp_chunks and
+    ring_steps: contiguous chunks of 512, each rank needs only its neighbour's K/V) leaves 2 of the 4 steps:
+    1 K/V block forward, 1 K/V + 2 dK/dV backward, against 3 and 7 without the window; a window as long as
+    the sequence changes nothing."""
+    flags = ("--model_size", "1b", "--mixed_precision", "bf16", "--seq_len", "2048", "--batch_size", "8")
+    layout = ("--world_size", "4", "--cp_size", "4", "--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "1")
+    full = plan(monkeypatch, capsys, *flags, *layout, "--tp_size", "1")[0]
+    windowed = plan(monkeypatch, capsys, *flags, *layout, "--tp_size", "1", "--sliding_window", "256")[0]
+    whole = plan(monkeypatch, capsys, *flags, *layout, "--tp_size", "1", "--sliding_window", "2048")[0]
+    block = 2 * 1 * (2048 // 4) * 2048 * 2  # K and V of one micro-batch, seq/cp tokens, d wide, bf16
+    assert (
+        full["ring_bytes_per_layer"] == whole["ring_bytes_per_layer"] == {"forward": 3 * block, "backward": 7 * block}
+    )
+    assert windowed["ring_bytes_per_layer"] == {"forward": block, "backward": 3 * block}, windowed
+    assert windowed["ring_steps"] == 2 and whole["ring_steps"] == 4 and windowed["ring_s"] < full["ring_s"]
+
+
 def test_ulysses_plans_its_all_to_alls(monkeypatch, capsys):
     """--cp_impl ulysses: the same activations as the ring, and per layer 4 all-to-all buffers in forward (q, k,
     v, the output) and 4 in backward, each micro-batch x seq/cp x d (train_cp.py's formula, which
