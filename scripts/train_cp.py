@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.distributed.fsdp import FSDPModule
 
+from common.causal_lm import documents_of
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import build_parser, check_core_args, data_source
 from common.costs import count_parameters
@@ -76,7 +77,7 @@ def attention_shapes(task, model, device) -> dict:
     Ulysses' bytes, the ring's chunks, and Ulysses' head check."""
     seen, windows = [], []
 
-    def recording_attention(q, k, v, dropout_p=0.0, window=None, sinks=None, softcap=None):
+    def recording_attention(q, k, v, dropout_p=0.0, window=None, sinks=None, softcap=None, documents=None):
         kv_width = (k.shape[1] * k.shape[-1] + v.shape[1] * v.shape[-1]) / 2
         seen.append((q.shape[1], k.shape[1], q.shape[1] * q.shape[-1], kv_width))
         windows.append(window)
@@ -156,6 +157,30 @@ def masked_blocks(q_chunks: list[int], kv_chunks: list[int], c: int, window: int
     return blocks
 
 
+def document_blocks(blocks: list[tuple], q_chunks: list[int], kv_chunks: list[int], c: int, documents) -> list[tuple]:
+    """masked_blocks' blocks with the document mask (--document_mask) on top: a query sees only keys of its own
+    document. `documents`: (batch, tokens) ids of the whole sequences. A block no sequence keeps anything of is
+    dropped (not computed); one kept whole stays unmasked; the others carry a (batch, 1, rows, cols) mask."""
+    if documents is None:
+        return blocks
+    kept = []
+    for i, j, rows, cols, causal, keep in blocks:
+        q0, k0 = q_chunks[i] * c, kv_chunks[j] * c  # the chunks' first positions in the sequence
+        same = (
+            documents[:, q0 + rows.start : q0 + rows.stop, None] == documents[:, None, k0 + cols.start : k0 + cols.stop]
+        )[:, None]
+        if causal:
+            keep = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
+        mask = same if keep is None else same & keep.to(same.device)
+        if not mask.any():
+            continue  # CP: every query of the block is in another document than every key
+        if keep is None and mask.all():
+            kept.append((i, j, rows, cols, causal, None))
+        else:
+            kept.append((i, j, rows, cols, False, mask))
+    return kept
+
+
 def ring_steps(chunks_of: list[list[int]], c: int, window: int | None) -> int:
     """How many steps of the ring some rank computes something in: the ring stops after them (the K/V a
     window leaves unneeded are not sent). Every step without a window."""
@@ -231,15 +256,18 @@ def _scores(q, k, scale: float, causal: bool, keep, softcap):
 def block_attention(q, k, v, causal: bool, scale: float, keep=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the query rows `q` over one K/V block: its output and the log-sum-exp of every row,
     (batch, heads, rows) fp32 contiguous. `causal`: a diagonal block (a chunk over its own keys); `keep`: the
-    bool mask of a cropped window block; `softcap`: scores soft-capped as softcap * tanh(s / softcap)."""
+    bool mask of a cropped window block ((rows, cols), or (batch, 1, rows, cols) with documents); `softcap`:
+    scores soft-capped as softcap * tanh(s / softcap)."""
     aten = torch.ops.aten
     if _plain(q, keep, softcap):
         scores, _ = _scores(q, k, scale, causal, keep, softcap)
-        lse = scores.logsumexp(-1)
-        return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse.contiguous()
+        lse = scores.logsumexp(-1)  # -inf on a row that sees no key here (another document): its weights are 0
+        return (torch.exp(scores - lse[..., None]).nan_to_num(0.0) @ v.float()).to(q.dtype), lse.contiguous()
     if not q.is_cuda:
         mask = None if keep is None else torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, float("-inf"))
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        if keep is not None and keep.dim() == 4:  # a row of another document than every key: the kernel says lse 0
+            lse = lse.masked_fill(~keep.any(-1), float("-inf"))
     elif _cuda_flash(q):
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
     else:
@@ -284,7 +312,8 @@ def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the keys/values of the whole ring, within `window` tokens
-    (None: the whole past), with a learned sink logit per head (`sinks`, gpt-oss) and soft-capped scores.
+    (None: the whole past), with a learned sink logit per head (`sinks`, gpt-oss) and soft-capped scores; with
+    `documents` ((batch, tokens): the whole sequences' ids, --document_mask) within each query's document.
 
     Forward: step s attends to the K/V block of rank (r - s) while the next block travels; each block is one
     fused kernel call (block_attention) returning its output and log-sum-exp, and the partial outputs merge
@@ -295,7 +324,7 @@ class RingAttention(torch.autograd.Function):
     the next block's compute."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, window=None, sinks=None, softcap=None):
+    def forward(ctx, q, k, v, ring: Ring, window=None, sinks=None, softcap=None, documents=None):
         B, H, T, D = q.shape
         scale = D**-0.5
         mine = ring.chunks_of[ring.rank]
@@ -308,15 +337,17 @@ class RingAttention(torch.autograd.Function):
             source = (ring.rank - step) % ring.size
             pending = ring.start_pass(kv, 0, "forward") if step < steps - 1 else None  # CP: next block travels
             blocks = masked_blocks(mine, ring.chunks_of[source], c, window)  # CP: ... while this one computes
+            blocks = document_blocks(blocks, mine, ring.chunks_of[source], c, documents)  # CP: and its documents
             for i, j, rows, cols, causal, keep in blocks:
                 rows, cols = slice(i * c + rows.start, i * c + rows.stop), slice(j * c + cols.start, (j + 1) * c)
                 block_out, block_lse = block_attention(
                     q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale, keep, softcap
                 )
                 new_lse = torch.logaddexp(lse[:, :, rows], block_lse)  # CP: merge by log-sum-exp
+                seen = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # a row with no key yet keeps out 0
                 out[:, :, rows] = (
-                    out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
-                    + block_out * torch.exp(block_lse - new_lse)[..., None]
+                    out[:, :, rows] * torch.exp(lse[:, :, rows] - seen)[..., None]
+                    + block_out * torch.exp(block_lse - seen)[..., None]
                 )
                 lse[:, :, rows] = new_lse
             ring.blocks_computed += len(blocks)
@@ -329,13 +360,13 @@ class RingAttention(torch.autograd.Function):
             new_lse = torch.logaddexp(lse, sinks.float().view(1, H, 1))
             out, lse = out * torch.exp(lse - new_lse)[..., None], new_lse
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, documents)
         ctx.ring, ctx.window, ctx.softcap = ring, window, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, k, v, out, lse, sinks, documents = ctx.saved_tensors
         ring, window, softcap = ctx.ring, ctx.window, ctx.softcap
         T, D = q.shape[2], q.shape[3]
         scale = D**-0.5
@@ -350,7 +381,8 @@ class RingAttention(torch.autograd.Function):
             source = (ring.rank - step) % ring.size
             pending = ring.start_pass(kv, 0, "backward") if step < steps - 1 else None  # CP: K/V again
             dkv = torch.zeros_like(kv)  # this rank's share of the visiting block's dK, dV
-            for i, j, rows, cols, causal, keep in masked_blocks(mine, ring.chunks_of[source], c, window):
+            blocks = masked_blocks(mine, ring.chunks_of[source], c, window)
+            for i, j, rows, cols, causal, keep in document_blocks(blocks, mine, ring.chunks_of[source], c, documents):
                 rows, cols = slice(i * c + rows.start, i * c + rows.stop), slice(j * c + cols.start, (j + 1) * c)
                 dqi, dkj, dvj = block_attention_backward(  # CP: the kernel's backward, the rows' merged out and lse
                     dout[:, :, rows],
@@ -378,15 +410,15 @@ class RingAttention(torch.autograd.Function):
         if sinks is not None:  # d out / d sink = -p_sink * out for every row: summed over this rank's rows
             row_dot = (dout.float() * out.float()).sum(-1)
             dsinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * row_dot).sum((0, 2)).to(sinks.dtype)
-        return dq, dkv[0], dkv[1], None, None, dsinks, None
+        return dq, dkv[0], dkv[1], None, None, dsinks, None, None
 
 
 def ring_attention(ring: Ring):
     """The attention function the model calls in place of causal SDPA (Task.set_attention): within `window`
     tokens, with `sinks` and soft-capped scores where the model has them."""
 
-    def attention(q, k, v, dropout_p: float = 0.0, window=None, sinks=None, softcap=None):
-        return RingAttention.apply(q, k, v, ring, window, sinks, softcap)
+    def attention(q, k, v, dropout_p: float = 0.0, window=None, sinks=None, softcap=None, documents=None):
+        return RingAttention.apply(q, k, v, ring, window, sinks, softcap, documents)
 
     attention.ring = ring  # what it sent (the summary)
     return attention
@@ -460,25 +492,28 @@ def ulysses_attention(ulysses: Ulysses):
     shards of whole sequences, the fused kernel (a window as its mask), the output back to this rank's tokens.
     Sinks and soft-capped scores, which no fused kernel takes, are computed as plain matmuls."""
 
-    def attention(q, k, v, dropout_p: float = 0.0, window=None, sinks=None, softcap=None):
+    def attention(q, k, v, dropout_p: float = 0.0, window=None, sinks=None, softcap=None, documents=None):
         q, k, v = (ulysses.seq_to_heads(t) for t in (q, k, v))  # CP: 3 all-to-alls: tokens/cp -> heads/cp
         h = q.shape[1]  # this rank's heads: h x rank .. h x (rank + 1) of the model's
         sinks = None if sinks is None else sinks[h * ulysses.rank : h * (ulysses.rank + 1)]
-        out = whole_sequence_attention(q, k, v, window, sinks, softcap)
+        out = whole_sequence_attention(q, k, v, window, sinks, softcap, documents)
         return ulysses.heads_to_seq(out)  # CP: the 4th all-to-all: heads/cp -> tokens/cp
 
     attention.ulysses = ulysses  # what it sent (the summary)
     return attention
 
 
-def whole_sequence_attention(q, k, v, window=None, sinks=None, softcap=None):
-    """Causal attention over whole sequences, within `window` tokens: fused SDPA (the window as a bool mask);
-    with sinks or soft-capping, the scores written out (the sink one more column, dropped after the softmax)."""
+def whole_sequence_attention(q, k, v, window=None, sinks=None, softcap=None, documents=None):
+    """Causal attention over whole sequences, within `window` tokens and each token's document (`documents`,
+    (batch, tokens) ids): fused SDPA (the mask as a bool mask); with sinks or soft-capping, the scores written
+    out (the sink one more column, dropped after the softmax)."""
     T, gqa = q.shape[2], k.shape[1] != q.shape[1]
     offset = torch.arange(T, device=q.device)[:, None] - torch.arange(T, device=q.device)
     keep = (offset >= 0) & (offset < (window or T))
+    if documents is not None:
+        keep = keep & (documents[:, None, :, None] == documents[:, None, None, :])  # (batch, 1, T, T)
     if sinks is None and softcap is None:
-        if window is None or window >= T:
+        if documents is None and (window is None or window >= T):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
     if gqa:
@@ -579,7 +614,12 @@ def cp_loss(task, layout: Layout, device, impl: str = "ring", windows=None):
     @contextmanager
     def ring_loss(model, mb):
         ids, targets = task.inputs(mb)[0][:, positions], task.next_token_targets(mb)[:, positions]  # (batch, tokens)
-        yield task.loss_at(model, ids, targets, positions)[0]
+        if "position_ids" not in mb:
+            yield task.loss_at(model, ids, targets, positions)[0]
+            return
+        # CP: --document_mask: positions in the documents, and the whole sequences' documents for every mask
+        documents = documents_of(mb["position_ids"])
+        yield task.loss_at(model, ids, targets, mb["position_ids"][:, positions], documents)[0]
 
     return ring_loss
 

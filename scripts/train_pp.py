@@ -189,12 +189,13 @@ class HFPipelineStage(nn.Module):
             for (owner, name), module in zip(slots, saved, strict=True):
                 owner._modules[name] = module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}  # the embedding runs on stage 0 only
-        with self.running_alone():
+        with self.running_alone():  # --document_mask: position_ids travel on with the hidden states
             if self.is_last:
-                return self.whole(**inputs).logits
-            return self.whole.base_model(**inputs).last_hidden_state
+                return self.whole(**inputs, position_ids=position_ids).logits
+            hidden = self.whole.base_model(**inputs, position_ids=position_ids).last_hidden_state
+        return hidden if position_ids is None else (hidden, position_ids)
 
 
 PASS_THROUGH = PassThrough()
@@ -397,6 +398,7 @@ class PipelineStep:
         for stage in self.stages:
             stage.reset_counters()
         inputs = self.task.inputs(mb) if self.has_first else ()
+        inputs = tuple(x for x in inputs if x is not None)  # a 🤗 model's (input_ids, None, position_ids): no mask
         target = self.task.targets(mb) if self.has_last else None
         losses = []  # the last stage's loss per micro-batch, as loss_fn returned it
         start = time.perf_counter()
@@ -420,7 +422,8 @@ class PipelineStep:
         try:
             with self._context():
                 outputs = self.schedule.eval(
-                    *(inputs if self.has_first else ()), target=inputs[0] if self.has_last else None
+                    *(tuple(x for x in inputs if x is not None) if self.has_first else ()),
+                    target=inputs[0] if self.has_last else None,
                 )
         finally:
             self.scoring = True

@@ -85,7 +85,7 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool, loss_paralle
     if model.tok_emb is not None:  # vocab-parallel: each rank holds vocab/tp rows; partial sums are reduced
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
         if sequence_parallel:  # positions of this rank's sequence slice, to add to its token slice
-            plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+            plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq)
     for name in model.blocks:
         b = f"blocks.{name}"
         plan.update(

@@ -6,7 +6,8 @@ per ring, with head-tail chunks and with contiguous ones, every rank checks its 
 output and of the gradients of q, k and v against causal SDPA over the whole sequence, and counts the
 attention blocks it computed. Then the masks, on rings of 2 and 4, both chunkings: sliding windows smaller
 than, equal to and larger than a chunk, sinks (their gradient summed over the ring), soft-capped scores,
-against the scores written out; the bytes sent against ring_bytes_per_step with the steps the window leaves.
+packed documents that cross chunk borders (alone, in a window, with sinks and soft-capping), against the
+scores written out; the bytes sent against ring_bytes_per_step with the steps the window leaves.
 Rank 0 prints one JSON line: per case, the worst error over the ranks, the blocks each rank computed and
 skipped, and the bytes sent and predicted."""
 
@@ -22,43 +23,59 @@ import torch.nn.functional as F
 from train_cp import Ring, RingAttention, contiguous_chunks, head_tail_chunks, rank_positions, ring_steps
 
 B, H, T, D = 2, 3, 8 * 2 * 3 * 4, 16  # T divides 2 x cp for cp = 2, 3, 4: chunks of 24 (head-tail, cp 4) to 96
-MASKS = {  # name: (window, sinks, softcap)
-    "window5": (5, False, None),  # smaller than every chunk
-    "window24": (24, False, None),  # equal to the head-tail chunk at cp 4
-    "window60": (60, False, None),  # larger than a chunk at cp 4 (24 and 48 tokens) and head-tail cp 2's (48)
-    "sinks": (None, True, None),
-    "window24_sinks": (24, True, None),
-    "softcap": (None, False, 2.0),
-    "window5_softcap": (5, False, 2.0),
+MASKS = {  # name: (window, sinks, softcap, documents)
+    "window5": (5, False, None, False),  # smaller than every chunk
+    "window24": (24, False, None, False),  # equal to the head-tail chunk at cp 4
+    "window60": (60, False, None, False),  # larger than a chunk at cp 4 (24 and 48 tokens) and head-tail cp 2's (48)
+    "sinks": (None, True, None, False),
+    "window24_sinks": (24, True, None, False),
+    "softcap": (None, False, 2.0, False),
+    "window5_softcap": (5, False, 2.0, False),
+    "documents": (None, False, None, True),  # packed documents (DOCUMENT_LENGTHS), across chunk borders
+    "window24_documents": (24, False, None, True),
+    "documents_sinks_softcap": (None, True, 2.0, True),
+    "short_documents": (None, False, None, "short"),  # no document crosses a chunk border: every other block empty
 }
+# sequence 0: documents of 1 to 70 tokens, most crossing a chunk border (chunks of 24 to 96); sequence 1: one
+# document, so that blocks kept whole in one sequence carry a mask for the other, and rows that see no key
+DOCUMENT_LENGTHS = {True: [[1, 30, 50, 7, 1, 70, 33], [T]], "short": [[12] * (T // 12), [4, 8] * (T // 12)]}
 
 
-def reference(q, k, v, window=None, sinks=None, softcap=None):
+def documents(kind) -> torch.Tensor:
+    lengths = DOCUMENT_LENGTHS[kind]
+    return torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths])
+
+
+def reference(q, k, v, window=None, sinks=None, softcap=None, docs=None):
     """Attention as the 🤗 eager code computes it: scores, soft-capped, masked to p - window < j <= p, a sink
     column per head, softmax, the sink dropped."""
     scores = q @ k.transpose(-1, -2) * D**-0.5
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     offset = torch.arange(T)[:, None] - torch.arange(T)
-    scores = scores.masked_fill(~((offset >= 0) & (offset < (window or T))), float("-inf"))
+    keep = (offset >= 0) & (offset < (window or T))
+    if docs is not None:
+        keep = keep & (docs[:, None, :, None] == docs[:, None, None, :])
+    scores = scores.masked_fill(~keep, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(B, H, T, 1)], -1)
     return torch.softmax(scores, -1)[..., :T] @ v
 
 
-def check(group, cp: int, chunks_of: list[list[int]], mask=(None, False, None)) -> dict:
+def check(group, cp: int, chunks_of: list[list[int]], mask=(None, False, None, False)) -> dict:
     """The worst |ring - whole sequence| of this rank (output, dq, dk, dv, dsinks), the blocks it computed and
     skipped, the bytes it sent and the formula's."""
-    window, with_sinks, softcap = mask
+    window, with_sinks, softcap, with_documents = mask
+    docs = documents(with_documents) if with_documents else None
     torch.manual_seed(cp)  # the same q, k, v, dout, sinks on every rank
     q, k, v, dout = (torch.randn(B, H, T, D) for _ in range(4))
     sinks = torch.randn(H) if with_sinks else None
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     full_sinks = sinks.clone().requires_grad_() if with_sinks else None
-    if mask == (None, False, None):
+    if mask == (None, False, None, False):
         out = F.scaled_dot_product_attention(*full, is_causal=True)
     else:
-        out = reference(*full, window, full_sinks, softcap)
+        out = reference(*full, window, full_sinks, softcap, docs)
     out.backward(dout)
 
     ring = Ring(group, chunks_of)
@@ -66,7 +83,7 @@ def check(group, cp: int, chunks_of: list[list[int]], mask=(None, False, None)) 
     pos = rank_positions(T, chunks_of[ring.rank], n_chunks)
     mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     my_sinks = sinks.clone().requires_grad_() if with_sinks else None
-    out_mine = RingAttention.apply(*mine, ring, window, my_sinks, softcap)
+    out_mine = RingAttention.apply(*mine, ring, window, my_sinks, softcap, docs)
     blocks, skipped = ring.blocks_computed, ring.blocks_skipped
     out_mine.backward(dout[:, :, pos])
     errors = [(out_mine - out[:, :, pos]).detach().abs().max()]
@@ -89,7 +106,7 @@ def main():
         if rank >= cp:
             continue
         for name, chunks_of in (("head_tail", head_tail_chunks(cp)), ("contiguous", contiguous_chunks(cp))):
-            cases = {f"{cp}_{name}": (None, False, None)}
+            cases = {f"{cp}_{name}": (None, False, None, False)}
             if cp != 3:
                 cases |= {f"{cp}_{name}_{m}": mask for m, mask in MASKS.items()}
             for case, mask in cases.items():

@@ -14,7 +14,7 @@ from .presets import MODEL_PRESETS
 DEFAULT_CACHE_DIR = Path(__file__).resolve().parents[2] / "data" / "cache"
 BUILTIN_DATASETS = ("addition", "pystdlib")
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}  # --train_file types
-SOURCE_DEFAULTS = {"dataset": "addition", "addition_digits": 3, "text_column": "text"}
+SOURCE_DEFAULTS = {"dataset": "addition", "addition_digits": 3, "text_column": "text", "document_mask": False}
 
 
 def add_builtin_flags(parser, moe: bool = False) -> None:
@@ -138,6 +138,14 @@ def add_data_args(parser, defaults_from_model: bool = False) -> None:
     held_out = "the last 5%% of --train_file"
     validation = f"the model's, from --model_dir's data.json; if none, {held_out}" if defaults_from_model else held_out
     g.add_argument("--validation_file", help=f"local validation file (default: {validation})")
+    g.add_argument(
+        "--document_mask",
+        action="store_true",
+        default=default["document_mask"],
+        help="text packed from several documents per block: each token attends within its own document only, and "
+        "positions restart at each document (as Llama 3 and torchtitan train); a document is a row of the data "
+        f"(a pystdlib source file, a json/csv row, a hub data set's row){model} (docs/data.md)",
+    )
     g.add_argument("--data_cache_dir", default=str(DEFAULT_CACHE_DIR), help="where built data and 🤗 caches go")
 
 
@@ -158,5 +166,16 @@ def check_data_args(args) -> None:
             f"--dataset {args.dataset!r} is not a built-in data set (choose {' or '.join(BUILTIN_DATASETS)})"
             ", or use --dataset_name / --train_file"
         )
+    if getattr(args, "document_mask", False):
+        if not (args.train_file or args.dataset_name) and args.dataset == "addition":
+            raise UsageError(
+                "--document_mask: the addition set holds one problem per row, never packed, so there is nothing "
+                "to mask: use it with text packed from documents (--dataset pystdlib, --train_file, --dataset_name)"
+            )
+        if args.train_file and Path(args.train_file).suffix == ".txt":
+            raise UsageError(
+                f"--document_mask: the rows of a .txt file ({args.train_file}) are its lines, not documents: give "
+                "one document per row of a .jsonl or .csv file (--train_file), or a data set (--dataset_name)"
+            )
     if args.addition_digits < 1 or args.addition_digits > 9:
         raise UsageError(f"--addition_digits must be 1..9 (got {args.addition_digits})")

@@ -11,7 +11,7 @@ from .errors import UsageError
 
 # which data a model learned (saved as model/data.json): the built-in data flags that say it
 SOURCE_KEYS = ("dataset", "addition_digits", "dataset_name", "dataset_config", "text_column", "train_file")
-SOURCE_KEYS += ("validation_file",)
+SOURCE_KEYS += ("validation_file", "document_mask")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

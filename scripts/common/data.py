@@ -42,6 +42,7 @@ ADDITION_SIZES = {"train": 100_000, "validation": 1_000}
 # answer with a word-start piece ("▁"); byte-level BPE never does (each token covers at least one byte)
 ADDITION_TOKENIZER_SLACK = 2
 IN_MEMORY_MAX_TOKENS = 256 * 2**20  # per split: 1 GiB of int16 tensors (x2 columns) per process at most
+ROW_COLUMNS = ("input_ids", "labels", "position_ids")  # position_ids: --document_mask's (_encode_and_pack)
 HUB_CHECK_TIMEOUT = 3.0  # seconds to open a connection to the hub before calling it unreachable
 
 
@@ -93,8 +94,9 @@ def build_addition(cache_dir: Path, digits: int) -> dict:
 
 
 def build_pystdlib(cache_dir: Path, max_train_bytes: int = 8_000_000) -> dict:
+    """The standard library's sources as jsonl, one file per row: a row is a document (--document_mask)."""
     out = cache_dir / "pystdlib"
-    files = {"train": out / "train.txt", "validation": out / "validation.txt"}
+    files = {"train": out / "train.jsonl", "validation": out / "validation.jsonl"}
     if all(f.exists() for f in files.values()):
         return files
     out.mkdir(parents=True, exist_ok=True)
@@ -105,9 +107,9 @@ def build_pystdlib(cache_dir: Path, max_train_bytes: int = 8_000_000) -> dict:
     for i, path in enumerate(sources):
         text = path.read_text(encoding="utf-8", errors="replace")
         if i % 20 == 0:  # every 20th file is validation: whole files, so no text is in both
-            val.append(text)
+            val.append(json.dumps({"text": text}) + "\n")
         elif train_bytes < max_train_bytes:
-            train.append(text)
+            train.append(json.dumps({"text": text}) + "\n")
             train_bytes += len(text)
     _write_atomic(files["train"], train)
     _write_atomic(files["validation"], val)
@@ -238,18 +240,26 @@ def _encode_addition(batch, row_len: int, tokenizer=None):
     return {"input_ids": input_ids, "labels": labels}
 
 
-def _encode_and_pack(batch, text_column: str, block_size: int, tokenizer=None, rows_are_lines: bool = False):
+def _encode_and_pack(
+    batch, text_column: str, block_size: int, tokenizer=None, rows_are_lines: bool = False, documents: bool = False
+):
     """Concatenate the batch's documents as bytes, or as token ids, and cut them into blocks of
     `block_size` (the tail shorter than a block is dropped, as in 🤗's run_clm).
 
     With a tokenizer, documents are joined by its EOS token where it has one (how such models
     were trained), else by a newline as in bytes. Rows of a .txt file are its lines, not documents:
     the batch's lines are tokenised as one text (a tokenizer may merge across a line break), with
-    no EOS between them."""
+    no EOS between them.
+
+    `documents` (--document_mask): each block also gets `position_ids`, every token's place in its own
+    document, 0 where one starts (and at the block's start: a document cut by the block edge starts again
+    there), as Llama 3 and torchtitan train; a document's first token is no target (nothing before it in
+    its block may predict it). The model attends within a document only (documents_of)."""
     texts = [text if isinstance(text, str) else ("" if text is None else str(text)) for text in batch[text_column]]
-    stream = []
+    stream, starts = [], []
     if tokenizer is None:
         for text in texts:
+            starts.append(len(stream))
             stream.extend((text if text.endswith("\n") else text + "\n").encode("utf-8"))
     else:
         eos = tokenizer.eos_token_id
@@ -258,12 +268,22 @@ def _encode_and_pack(batch, text_column: str, block_size: int, tokenizer=None, r
         elif eos is None:
             texts = [text if text.endswith("\n") else text + "\n" for text in texts]
         for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
+            starts.append(len(stream))
             stream.extend(ids)
             if eos is not None and not rows_are_lines:
                 stream.append(eos)
     n_blocks = len(stream) // block_size
     blocks = [stream[i * block_size : (i + 1) * block_size] for i in range(n_blocks)]
-    return {"input_ids": blocks, "labels": blocks}
+    if not documents:
+        return {"input_ids": blocks, "labels": blocks}
+    is_start = torch.zeros(n_blocks * block_size + 1, dtype=torch.bool)
+    is_start[[s for s in starts if s < n_blocks * block_size]] = True
+    is_start = is_start[:-1].view(n_blocks, block_size)
+    is_start[:, 0] = True
+    index = torch.arange(block_size).expand(n_blocks, -1)
+    last_start = torch.where(is_start, index, 0).cummax(dim=1).values  # where each token's document began
+    labels = torch.tensor(blocks, dtype=torch.long).masked_fill(is_start, -100) if blocks else torch.zeros(0, 0)
+    return {"input_ids": blocks, "labels": labels.tolist(), "position_ids": (index - last_start).tolist()}
 
 
 def load_data(args, accelerator, block_size: int, tokenizer=None) -> Data:
@@ -284,7 +304,7 @@ def load_data(args, accelerator, block_size: int, tokenizer=None) -> Data:
         encode, kwargs, seq_len = _encode_addition, {"row_len": row_len, "tokenizer": tokenizer}, row_len
     else:
         # .txt files (and pystdlib, built as .txt) are read line by line
-        rows_are_lines = not args.dataset_name and (args.train_file or ".txt").endswith(".txt")
+        rows_are_lines = not args.dataset_name and (args.train_file or "").endswith(".txt")
         encode, kwargs, seq_len = (
             _encode_and_pack,
             {
@@ -292,6 +312,7 @@ def load_data(args, accelerator, block_size: int, tokenizer=None) -> Data:
                 "block_size": block_size,
                 "tokenizer": tokenizer,
                 "rows_are_lines": rows_are_lines,
+                "documents": bool(getattr(args, "document_mask", False)),
             },
             block_size,
         )
@@ -322,7 +343,7 @@ def load_data(args, accelerator, block_size: int, tokenizer=None) -> Data:
                 f"--block_size {block_size} is longer than the {name} split allows ({n_bytes} bytes give no full block)"
                 ": lower --block_size or add data"
             )
-        split.set_format("torch", columns=["input_ids", "labels"])
+        split.set_format("torch", columns=[c for c in ROW_COLUMNS if c in split.column_names])
         if len(split) * seq_len <= IN_MEMORY_MAX_TOKENS:
             splits[name] = TensorRows(split)
     return Data(
@@ -330,7 +351,7 @@ def load_data(args, accelerator, block_size: int, tokenizer=None) -> Data:
         validation=splits["validation"],
         task="addition" if is_addition else "text",
         seq_len=seq_len,
-        name=data_name(args),
+        name=data_name(args) + (", documents masked apart (--document_mask)" if kwargs.get("documents") else ""),
     )
 
 
@@ -343,11 +364,10 @@ class TensorRows(Dataset):
     def __init__(self, split):
         columns = split[:]
         dtype = torch.int16 if int(columns["input_ids"].max()) < 2**15 else torch.int32
-        self.input_ids = columns["input_ids"].to(dtype)
-        self.labels = columns["labels"].to(dtype)
+        self.columns = {name: columns[name].to(dtype) for name in ROW_COLUMNS if name in columns}
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return len(self.columns["input_ids"])
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.input_ids[i].long(), "labels": self.labels[i].long()}
+        return {name: column[i].long() for name, column in self.columns.items()}

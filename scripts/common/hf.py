@@ -222,11 +222,29 @@ def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto", on_meta:
     check_vocab_fits(model, tokenizer)
     model.train()  # from_pretrained returns it in eval mode
     task = HFCausalLMTask(seq_len, data_task, model.config, source, tokenizer, units_path)
+    if getattr(args, "document_mask", False):
+        check_takes_position_ids(model)
     task.weights = weights  # {parameter or buffer name: (file, name in it)} for a model on meta; None: random init
     if is_on_meta(model) and not on_meta:
         model.to_empty(device="cpu")
         materialize_hf(model, task)  # the whole model, made as a sharded run makes its parts
+    if getattr(args, "document_mask", False) and not is_on_meta(model):  # on meta: Task.check, before step 1
+        task.check_documents_apart(model)
     return model, task
+
+
+def check_takes_position_ids(model: nn.Module) -> None:
+    """--document_mask gives a 🤗 model position_ids as its third positional input (HFCausalLMTask.inputs):
+    its forward must read them there."""
+    import inspect
+
+    params = list(inspect.signature(model.forward).parameters)[:3]
+    if params != ["input_ids", "attention_mask", "position_ids"]:
+        raise UsageError(
+            f"--document_mask: {model.config.model_type}'s forward takes ({', '.join(params)}) first, not (input_ids, "
+            "attention_mask, position_ids), so its documents' positions have nowhere to go: train without "
+            "--document_mask"
+        )
 
 
 def _check_loss_is_ours(config, what: str) -> None:
@@ -501,6 +519,13 @@ class HFCausalLMTask(CausalLMTask):
         self.source = source  # "from config tiny.json", "pretrained Qwen/Qwen2-0.5B" (for describe)
         self.tokenizer = tokenizer
 
+    def inputs(self, batch) -> tuple:
+        """model(input_ids), or with --document_mask model(input_ids, None, position_ids): transformers masks
+        packed documents by their restarting positions (check_takes_position_ids, check_documents_apart)."""
+        if "position_ids" in batch:
+            return batch["input_ids"], None, batch["position_ids"]
+        return (batch["input_ids"],)
+
     def describe(self, model: nn.Module) -> str:
         c = self.hf_config
         n = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
@@ -574,6 +599,7 @@ class HFCausalLMTask(CausalLMTask):
                 "window": kwargs.get("sliding_window"),
                 "sinks": kwargs.get("s_aux"),
                 "softcap": kwargs.get("softcap"),
+                "documents": self.documents,  # the whole sequences' document ids (forward_at's), or None
             }
             out = attention(query, key, value, **{k: v for k, v in masks.items() if v is not None})[..., :v_dim]
             return out.transpose(1, 2).contiguous(), None  # transformers wants (B, T, H, D)
@@ -594,9 +620,16 @@ class HFCausalLMTask(CausalLMTask):
                 "context parallelism does not: set attention_dropout 0 in the config, or train without --cp_size"
             )
 
-    def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
-        """Some tokens of each sequence at their real positions: the rotary embedding reads position_ids."""
-        return model(input_ids=input_ids, position_ids=positions.expand(input_ids.shape[0], -1))
+    documents = None  # forward_at's, for the replaced attention during that call
+
+    def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, documents=None):
+        """Some tokens of each sequence at their real positions: the rotary embedding reads position_ids;
+        `documents` (--document_mask: the whole sequences' ids) reach the replaced attention of every layer."""
+        self.documents = documents
+        try:
+            return model(input_ids=input_ids, position_ids=positions.expand(input_ids.shape[0], -1))
+        finally:
+            self.documents = None
 
     def _model_with(self, state_dict: dict) -> nn.Module:
         from transformers import AutoModelForCausalLM

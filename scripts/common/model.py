@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .causal_lm import CausalLMTask
+from .causal_lm import CausalLMTask, document_causal_mask, documents_of
 from .errors import UsageError
 from .presets import MODEL_PRESETS
 
@@ -79,10 +79,15 @@ class GPTConfig:
         return cfg
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """The attention of every block: causal SDPA over (batch, heads, tokens, head_dim). Replaceable:
-    context parallelism installs its ring attention in its place (GPTTask.set_attention)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The attention of every block: causal SDPA over (batch, heads, tokens, head_dim); with `documents`
+    (batch, tokens) ids (--document_mask), within each token's own document. Replaceable: context
+    parallelism installs its ring attention in its place (GPTTask.set_attention)."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(documents), dropout_p=dropout_p)
 
 
 class CausalSelfAttention(nn.Module):
@@ -97,13 +102,17 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, heads, head_dim) -> (B, heads, T, head_dim); `-1` = however many heads this rank holds
         q, k, v = (
             proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if documents is None:
+            y = self.attention(q, k, v, dropout_p=dropout_p)
+        else:
+            y = self.attention(q, k, v, dropout_p=dropout_p, documents=documents)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -126,8 +135,8 @@ class Block(nn.Module):
         self.mlp = moe_mlp(cfg, layer) if cfg.is_moe_block(layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), documents=documents))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -157,18 +166,25 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Returns logits (B, T, vocab). The loss lives outside (`GPTTask.loss`), so that
         strategies can normalise it over the whole global batch. `positions`: the tokens' real
-        places in their sequence (default 0..T-1; context parallelism passes a rank's slice)."""
+        places, (T,) in the sequence (default 0..T-1; context parallelism passes a rank's slice) or
+        (B, T) in their documents (--document_mask's position_ids, which then mask the attention by
+        document); `documents`: the (B, T) ids of the whole sequences (context parallelism's ring)."""
         x = self.embed(input_ids, positions)
+        if documents is None and positions is not None and positions.dim() == 2:
+            documents = documents_of(positions)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, documents=documents)
         return self.head(x)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = positions.expand(input_ids.shape[0], -1)  # (batch, tokens) always: where TP's SP cuts them
         return self.drop(self.tok_emb(input_ids) + self.pos_emb(positions))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,14 +228,17 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleList(model.blocks[str(i)] for i in layers)
         self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if is_last else (None, None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None):
+        """`positions` (--document_mask's position_ids) travel on with the hidden states: every stage's
+        attention masks by document."""
         if self.tok_emb is not None:
-            x = GPT.embed(self, x)  # token ids -> hidden states
+            x = GPT.embed(self, x, positions)  # token ids -> hidden states
+        documents = documents_of(positions) if positions is not None else None
         for block in self.blocks:
-            x = block(x)
+            x = block(x, documents=documents)
         if self.lm_head is not None:
-            x = GPT.head(self, x)  # hidden states -> logits
-        return x
+            return GPT.head(self, x)  # hidden states -> logits
+        return x if positions is None else (x, positions)
 
 
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
@@ -272,8 +291,8 @@ class GPTTask(CausalLMTask):
             if isinstance(module, CausalSelfAttention):
                 module.attention = attention or causal_attention
 
-    def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
-        return model(input_ids, positions)
+    def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, documents=None):
+        return model(input_ids, positions, documents)
 
 
 def gpt_config_from_args(args) -> GPTConfig:

@@ -58,6 +58,10 @@ class Task:
     def loss_of(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:  # one micro-batch
         return self.loss(model(*self.inputs(batch)), self.targets(batch))
 
+    def check(self, model: nn.Module, batch) -> None:
+        """Checks of your own, run once before step 1 on 4 validation samples (no gradients, eval mode);
+        raise UsageError for one line. CausalLMTask: documents kept apart under --document_mask."""
+
     def eval_sums(self, outputs, targets) -> dict:
         loss_sum, n = self.loss(outputs, targets)
         return {"loss": loss_sum, "targets": n}
@@ -221,6 +225,7 @@ def check_task_contract(task: Task, model: nn.Module, validation, device, contex
         halves = [[_float(v) for v in task.loss_of(model, slice_tensors(batch, slice(a, a + 2)))] for a in (0, 2)]
         outputs = full_outputs(model(*inputs))  # loss parallel: vocabulary-sharded logits made whole, as evaluate does
         sums = _call(task, "eval_sums", outputs, task.targets(batch))
+        task.check(model, batch)
     model.train(was_training)
     for module in model.modules():  # FSDP keeps a root gathered after forward: shard it again
         if hasattr(module, "reshard") and hasattr(module, "set_requires_gradient_sync"):
