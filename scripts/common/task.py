@@ -85,15 +85,17 @@ class Task:
 
     # ---- context parallelism (train_cp.py): the attention is replaceable, the positions are given
     def set_attention(self, model: nn.Module, attention) -> None:
-        """Every attention layer calls `attention(q, k, v, dropout_p=0.0)` (causal) instead of its own."""
+        """Every attention layer calls `attention(q, k, v, dropout_p=0.0)` (causal) instead of its own; with
+        --document_mask also `documents=` (the ids forward_at was given)."""
         raise UsageError(
             f"context parallelism replaces the model's attention, but this model's Task ({type(self).__name__}) "
             "does not say how: implement Task.set_attention and Task.forward_at in the script's MODEL section "
             "(docs/your-model.md; the built-in GPT has them), or train without --cp_size"
         )
 
-    def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
-        """The model's outputs for `input_ids`, some tokens of each sequence, at their real `positions`."""
+    def forward_at(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, documents=None):
+        """The model's outputs for `input_ids`, some tokens of each sequence, at their real `positions`;
+        `documents` (--document_mask): the whole sequences' document ids, for every attention call."""
         raise NotImplementedError
 
 
