@@ -53,7 +53,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from common.causal_lm import documents_of
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.cli import build_parser, check_core_args, data_source
+from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
 from common.errors import UsageError
 from common.evaluation import evaluate
@@ -780,7 +780,6 @@ def main():
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/cp"
     check_core_args(args)
-    grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
@@ -796,7 +795,7 @@ def main():
     dp_shard = 1 if args.cp_size == -1 else -1  # CP: every process in one ring (-1) leaves no data parallel
     layout = Layout.from_degrees(accelerator.num_processes, cp=args.cp_size, dp_shard=dp_shard)  # CP: dp x cp
     dp_size = layout.dp  # CP: the CP ranks of one group read the same samples
-    global_batch_size = args.batch_size * dp_size * grad_accum
+    grad_accum, global_batch_size = batch_of_step(args, dp_size)  # batch_size x dp_size x accumulation
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens

@@ -24,14 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
 
 import torch
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate.utils import GradientAccumulationPlugin, get_int_from_env, set_seed
 
 from common.batchnorm import batchnorm_line
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.cli import build_parser, check_core_args, data_source
+from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
 from common.evaluation import evaluate
-from common.launch import make_accelerator, run_main
+from common.launch import WORLD_SIZE_VARS, make_accelerator, run_main
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.task import check_task_contract
@@ -71,7 +71,8 @@ def main():
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ddp"
     check_core_args(args)
-    grad_accum = args.gradient_accumulation_steps
+    # --global_batch_size: the accumulation follows the processes launched (elastic runs keep their batches)
+    grad_accum, global_batch_size = batch_of_step(args, get_int_from_env(WORLD_SIZE_VARS, 1))  # processes launched
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
@@ -86,7 +87,6 @@ def main():
         step_scheduler_with_optimizer=False,
     )
     dp_size = accelerator.num_processes  # DDP: every process is a data-parallel replica, holding the whole model
-    global_batch_size = args.batch_size * dp_size * grad_accum
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens

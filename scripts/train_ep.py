@@ -49,7 +49,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.cli import build_parser, check_core_args, data_source
+from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
 from common.errors import UsageError
 from common.evaluation import evaluate
@@ -314,7 +314,6 @@ def main():
     hf_model = check_moe_flags(args, parser)  # EP: --n_experts is the built-in GPT's; a 🤗 model has its own
     check_core_args(args)
     ep_size = check_ep_flags(args, get_int_from_env(WORLD_SIZE_VARS, 1), hf_model)  # EP: before any process group
-    grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
@@ -330,7 +329,7 @@ def main():
     # EP: the dp / ep groups cut each rank's share again (the layout's dp_replicate)
     layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=accelerator.num_processes // ep_size)
     dp_size = layout.dp  # EP: every rank is a data-parallel rank, holding E / ep experts (FSDP: 1/dp of the rest)
-    global_batch_size = args.batch_size * dp_size * grad_accum
+    grad_accum, global_batch_size = batch_of_step(args, dp_size)  # batch_size x dp_size x accumulation
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from common.batchnorm import batchnorm_line
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.cli import build_parser, check_core_args, data_source
+from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
 from common.errors import UsageError
 from common.evaluation import evaluate
@@ -122,7 +122,6 @@ def main():
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/fsdp"
     check_core_args(args)
-    grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
@@ -136,7 +135,7 @@ def main():
     )
     layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1)
     dp_size = layout.dp  # FSDP: every rank is a data-parallel rank, holding 1/dp_shard of the model
-    global_batch_size = args.batch_size * dp_size * grad_accum
+    grad_accum, global_batch_size = batch_of_step(args, dp_size)  # batch_size x dp_size x accumulation
     if args.cpu_offload and accelerator.device.type == "cpu":  # FSDP: nothing to offload to
         raise UsageError("--cpu_offload moves state to CPU memory, but this run is already on the CPU: drop it")
 

@@ -53,7 +53,7 @@ from train_cp import (
 )
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.cli import build_parser, check_core_args, data_source
+from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
 from common.errors import UsageError
 from common.evaluation import evaluate
@@ -154,7 +154,7 @@ def main():
         tp=args.tp_size,
         cp=args.cp_size,
     )
-    global_batch_size = args.batch_size * layout.dp * args.gradient_accumulation_steps
+    _, global_batch_size = batch_of_step(args, layout.dp)  # batch_size x dp x accumulation
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens

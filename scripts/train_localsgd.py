@@ -60,7 +60,7 @@ from common.checkpoint import (
     record_task,
     save_checkpoint,
 )
-from common.cli import build_parser, check_core_args, data_source
+from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.collectives import CollectiveCounter
 from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
 from common.errors import UsageError
@@ -221,6 +221,32 @@ class ReplicaSync:
             for opt, opt_state in zip(self.outer, state["outer"]):
                 opt.load_state_dict(opt_state)
 
+    @torch.no_grad()
+    def continue_from_fusion(self, step: int, saved_replicas: int, path) -> str:
+        """A resume on another number of replicas (an elastic restart after a node was lost, or came back):
+        the saved replicas cannot map one to one, so every rank continues from θ at the last fusion (DiLoCo's
+        θ_last, with its outer momentum); each keeps the inner optimizer state of saved replica r mod N.
+        Returns the line that says what was dropped."""
+        dropped = max(step - last for last in self.last_fused)  # local steps since a fragment's fusion
+        local_steps = f"{dropped} local step{'s' if dropped != 1 else ''}"
+        if self.outer_optimizer == "average" and dropped:  # θ at the last fusion is not kept: refuse
+            raise UsageError(
+                f"--resume_from_checkpoint {path}: saved by {saved_replicas} replicas at step {step}, {local_steps} "
+                "after a fusion, and --outer_optimizer average keeps no copy of the fused model: resume on "
+                f"{saved_replicas} processes, or from a checkpoint taken at a fusion (--checkpoint_every a multiple "
+                "of --sync_every)"
+            )
+        if self.outer_optimizer == "nesterov":
+            for fragment, last in zip(self.fragments, self.last):
+                for p, t in zip(fragment, last):
+                    p.copy_(t.to(p.device))  # DiLoCo: every replica from θ_last
+        lost = f", dropping the {local_steps} since it" if dropped else " (the checkpoint is at a fusion)"
+        return (
+            f"{saved_replicas} replicas saved the checkpoint, {self.dp_size} resume it: every replica continues "
+            f"from the model of the last fusion (step {step - dropped}){lost}; replica r keeps saved replica "
+            f"r mod {saved_replicas}'s inner optimizer state"
+        )
+
     def report(self, steps: int, args, ddp_mib: float) -> dict:
         """What the summary records: the fusion settings, the fusions and the bytes they moved (measured
         calls and buffers; per rank by the ring formula), and what DDP would have sent (`ddp_mib` a step)."""
@@ -363,7 +389,6 @@ def main():
     args.output_dir = args.output_dir or "runs/localsgd"
     check_core_args(args)
     check_localsgd_flags(args)  # Local SGD: K, the fragments, the outer optimizer
-    grad_accum = args.gradient_accumulation_steps
 
     # ---------------------------------------- Accelerator and layout
     check_whole_replicas(launcher_sharding())  # Local SGD: no sharded launch (on CPU it would be dropped silently)
@@ -379,7 +404,7 @@ def main():
     )
     check_whole_replicas(distributed_type=accelerator.distributed_type)  # Local SGD: no sharded Accelerator
     dp_size = accelerator.num_processes  # Local SGD: every process is a replica, holding the whole model
-    global_batch_size = args.batch_size * dp_size * grad_accum
+    grad_accum, global_batch_size = batch_of_step(args, dp_size)  # batch_size x dp_size x accumulation
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
@@ -439,6 +464,8 @@ def main():
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     if resume_path:  # DiLoCo: θ_last and the outer momentum, as the checkpoint left them
         replica_sync.load_state_dict(load_extra_state(resume_path), resume_path)
+        if progress["world_size"] != dp_size:  # Local SGD: an elastic restart on fewer (or more) replicas
+            accelerator.print(replica_sync.continue_from_fusion(progress["step"], progress["world_size"], resume_path))
     feed = StepFeed(
         accelerator,
         train_loader,

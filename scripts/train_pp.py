@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
-from common.cli import build_parser, check_core_args, data_source
+from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
 from common.errors import UsageError
 from common.evaluation import evaluate
@@ -468,7 +468,6 @@ def main():
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/pp"
     check_core_args(args)
-    grad_accum = args.gradient_accumulation_steps
     parse_pipeline_flags(args)  # PP: the schedule, --stages_per_rank, --n_microbatches, --split_points
 
     # ---------------------------------------- Accelerator and layout
@@ -484,7 +483,7 @@ def main():
     check_pp_size(args.pp_size, accelerator.num_processes)  # PP: pure pipeline parallel (dp x pp: train_hybrid.py)
     layout = Layout.from_degrees(accelerator.num_processes, pp=-1, dp_shard=1)  # PP: every process is a stage
     dp_size = layout.dp  # PP: 1, one pipeline: every stage reads the same batch
-    global_batch_size = args.batch_size * dp_size * grad_accum
+    grad_accum, global_batch_size = batch_of_step(args, dp_size)  # batch_size x dp_size x accumulation
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens

@@ -16,6 +16,9 @@ On node i it runs, inside that namespace, what one would type on host i:
 With --decoy_interface every node also has eth1 (10.78.0.i), a network no other node is on, and its host
 name resolves there: with --socket_ifname none (no GLOO_SOCKET_IFNAME) gloo listens on eth1 and the nodes
 cannot connect, the trouble of a real host with a Docker bridge or a second network card.
+With --elastic the rendezvous is torchrun's elastic one (--nnodes 1:N, c10d on node 0): a node lost for good
+(its link down, its processes killed) leaves the others to restart without it, and a node started again joins
+at their next restart; each node's command is printed, to start it again by hand.
 Every namespace has its own ports, so two runs never collide; names carry this process's id
 (`ln<pid><letter>`), so two runs' interfaces do not either. Everything is torn down at the end, on
 Ctrl-C, SIGTERM and on failure (`--cleanup` removes what a killed run left). The bytes each node's
@@ -229,9 +232,35 @@ class LocalNodes:
         return dict(zip(names, map(int, out), strict=True))
 
     def node_command(
-        self, rank: int, script: str, args: list[str], nproc_per_node: int, launcher_args: list[str] = ()
+        self,
+        rank: int,
+        script: str,
+        args: list[str],
+        nproc_per_node: int,
+        launcher_args: list[str] = (),
+        elastic: bool = False,
     ) -> list[str]:
-        """What one would type on host `rank`, run inside its namespace (`launcher_args` go to torchrun)."""
+        """What one would type on host `rank`, run inside its namespace (`launcher_args` go to torchrun).
+        `elastic`: torchrun's elastic rendezvous, `--nnodes 1:N` on node 0's c10d store, so that the job
+        goes on with the nodes that are left and takes a node back at its next restart."""
+        if elastic:
+            rendezvous = [
+                "--nnodes",
+                f"1:{self.n_nodes}",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"{self.addresses[0]}:{MASTER_PORT}",
+                "--rdzv_id",
+                "local_nodes",
+                "--local_addr",  # the address the others reach this node at (all nodes share one host name)
+                self.addresses[rank],
+                "--rdzv_conf",  # node 0 holds the store; a round with fewer nodes than N waits 5 s for more
+                f"is_host={int(rank == 0)},last_call_timeout=5",
+            ]
+        else:
+            rendezvous = ["--nnodes", str(self.n_nodes), "--node_rank", str(rank)]
+            rendezvous += ["--master_addr", self.addresses[0], "--master_port", str(MASTER_PORT)]
         return [
             "ip",
             "netns",
@@ -240,20 +269,50 @@ class LocalNodes:
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--nnodes",
-            str(self.n_nodes),
-            "--node_rank",
-            str(rank),
+            *rendezvous,
             "--nproc_per_node",
             str(nproc_per_node),
-            "--master_addr",
-            self.addresses[0],
-            "--master_port",
-            str(MASTER_PORT),
             *launcher_args,
             script,
             *args,
         ]
+
+    def node_env(self, env: dict | None = None, socket_ifname: str | None = IFNAME, elastic: bool = False) -> dict:
+        """The environment of every node's launcher. `elastic`: each round of the rendezvous gives the workers
+        a new store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): torchrun's shared one outlives the rounds, and a node
+        that comes back numbers its restarts from 0, so the scripts' per-attempt view of it would differ."""
+        env = dict(os.environ if env is None else env)
+        env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        if socket_ifname:
+            env.update(GLOO_SOCKET_IFNAME=socket_ifname)
+        else:
+            env.pop("GLOO_SOCKET_IFNAME", None)
+        if elastic:
+            env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
+        return env
+
+    def start(self, rank: int, command: list[str], env: dict, cwd=None, stdout=subprocess.PIPE, stderr=None):
+        """Start node `rank`'s launcher (a `node_command`); its own session, so Ctrl-C reaches this process only."""
+        return subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=env,
+            stdout=stdout,
+            stderr=stdout if stderr is None else stderr,
+            text=True,
+            start_new_session=True,  # Ctrl-C reaches this process only; close() ends the nodes
+        )
+
+    def lose_node(self, rank: int) -> None:
+        """Node `rank` lost for good, as a machine that dies: its link goes down (no packet of its end reaches
+        the others, so they see silence, not a closed connection), then every process on it is killed."""
+        _must("link", "set", f"{self.prefix}h{rank}", "down")
+        kill_namespace_processes(self.namespaces[rank])
+
+    def restore_node(self, rank: int) -> None:
+        """Its link up again (the machine is back, with nothing running on it)."""
+        _must("link", "set", f"{self.prefix}h{rank}", "up")
 
     def run(
         self,
@@ -266,28 +325,17 @@ class LocalNodes:
         stream: bool = False,
         socket_ifname: str | None = IFNAME,
         launcher_args: list[str] = (),
+        elastic: bool = False,
     ) -> RunResult:
         """Run `script args` on every node at once; wait for all (or kill all at `timeout`).
         `socket_ifname=None` sets no GLOO_SOCKET_IFNAME: gloo then picks the interface itself."""
-        env = dict(os.environ if env is None else env)
-        env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-        if socket_ifname:
-            env.update(GLOO_SOCKET_IFNAME=socket_ifname)
-        else:
-            env.pop("GLOO_SOCKET_IFNAME", None)
-        env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
+        env = self.node_env(env, socket_ifname, elastic)
         before = [self.counters(r) for r in range(self.n_nodes)]
         out = None if stream else subprocess.PIPE
         start, result = time.monotonic(), RunResult()
         procs = [
-            subprocess.Popen(
-                self.node_command(r, script, args, nproc_per_node, list(launcher_args)),
-                cwd=cwd,
-                env=env,
-                stdout=out,
-                stderr=out,
-                text=True,
-                start_new_session=True,  # Ctrl-C reaches this process only; close() ends the nodes
+            self.start(
+                r, self.node_command(r, script, args, nproc_per_node, list(launcher_args), elastic), env, cwd, out
             )
             for r in range(self.n_nodes)
         ]
@@ -414,6 +462,13 @@ def main(argv: list[str] | None = None) -> int:
         help="torchrun's --max_restarts on every node: restart the workers after a failure, with "
         "--resume_from_checkpoint auto (default: 0)",
     )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="torchrun's elastic rendezvous (--nnodes 1:N, c10d on node 0's address): when a node is lost the "
+        "others restart without it (with --max_restarts and --resume_from_checkpoint auto), and a node started again "
+        "joins at the next restart; each node's command is printed, to start a lost node again by hand",
+    )
     parser.add_argument("script", nargs="?", help="the training script, e.g. scripts/train_ddp.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its flags")
     args = parser.parse_args(argv)
@@ -449,6 +504,18 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             restarts = ["--max_restarts", str(args.max_restarts)] if args.max_restarts else []
+            if args.elastic:  # what to type to start a lost node again (it joins at the next restart)
+                env = nodes.node_env(None, socket_ifname, elastic=True)
+                for rank in range(args.nodes):
+                    command = nodes.node_command(
+                        rank, args.script, args.script_args, args.nproc_per_node, restarts, True
+                    )
+                    settings = " ".join(
+                        f"{k}={env[k]}"
+                        for k in ("GLOO_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+                        if k in env
+                    )
+                    print(f"{name}: node {rank}: {settings} {' '.join(command)}", flush=True)
             result = nodes.run(
                 args.script,
                 args.script_args,
@@ -457,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                 stream=True,
                 socket_ifname=socket_ifname,
                 launcher_args=restarts,
+                elastic=args.elastic,
             )
     except NetnsUnavailable as error:
         print(f"error: {name}: cannot make network namespaces here: {error}", file=sys.stderr)

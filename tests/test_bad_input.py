@@ -50,6 +50,14 @@ REFUSED = [
     (["--model_size", "huge"], ["--model_size 'huge'"]),
     (["--n_head", "5"], ["--n_embd 64 is not divisible by --n_head 5"]),
     (["--resume_from_checkpoint", "latest"], ["--resume_from_checkpoint latest: no checkpoint"]),
+    (
+        ["--global_batch_size", "10", "--batch_size", "4"],
+        ["--global_batch_size 10 must be a multiple of --batch_size 4 x 1 data-parallel ranks = 4"],
+    ),
+    (
+        ["--global_batch_size", "16", "--batch_size", "4", "--gradient_accumulation_steps", "2"],
+        ["--global_batch_size 16", "sets the accumulation itself (no --gradient_accumulation_steps)"],
+    ),
 ]
 
 

@@ -224,6 +224,14 @@ def test_resume_between_fusions_is_exact_with_the_outer_momentum(streaming_run, 
         "train_localsgd.py", other, data_cache, *STREAMING, "--resume_from_checkpoint", "latest", nproc=2, check=False
     )
     assert_one_error(result, "saved with --outer_optimizer average, --fragments 1; resume with the same flags")
+    # the same averaging checkpoint on 1 process (an elastic restart that lost a node): step 5 is 1 local step past
+    # the fusion of step 4, and averaging keeps no copy of the fused model: refused, the checkpoint untouched
+    result = launch_tiny(
+        "train_localsgd.py", other, data_cache, *K4, "--resume_from_checkpoint", "latest", "--global_batch_size", "16",
+        check=False,
+    )  # fmt: skip
+    assert_one_error(result, "saved by 2 replicas at step 5, 1 local step after a fusion, and --outer_optimizer")
+    assert (other / "checkpoints" / "step_5").is_dir()
 
 
 def assert_one_error(result, needle):

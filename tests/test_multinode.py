@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from conftest import (
     assert_same_evals,
     assert_same_losses,
     job_env,
+    launch,
     read_metrics,
     summary,
     train_losses,
@@ -353,3 +355,149 @@ def test_a_link_down_for_20_s_mid_run_is_survived_exactly(nodes, tmp_path, data_
     resumed = [r["step"] for r in train if r.get("resumed")]
     assert resumed and all(step > 4 for step in resumed), resumed  # the first record after each restart
     assert [r["final_step"] for r in records if r["type"] == "summary"] == [12]
+
+
+def pending_sigterm(pid: int) -> bool:
+    """Whether SIGTERM waits to be delivered to process `pid` (a stopped process keeps it pending)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith(("SigPnd", "ShdPnd")) and int(line.split()[1], 16) & 1 << 14 for line in status)
+
+
+def wait_for(condition, what: str, seconds: float = 180, proc=None) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
+        assert proc is None or proc.poll() is None, f"{what}: the launcher ended first (exit {proc.returncode})"
+        time.sleep(0.05)
+
+
+def records_of(out: Path) -> list[dict]:
+    return read_metrics(out) if (out / "metrics.jsonl").is_file() else []
+
+
+def lose_node_1_after(made, out: Path, checkpoint: str, flags: list[str], script: str, logs: Path):
+    """Start `script` on 2 elastic nodes (torchrun --nnodes 1:2 --max_restarts 3), lose node 1 for good once
+    `checkpoint` is written; returns (node 0's launcher, the command and environment to start node 1 again)."""
+    env = made.node_env(job_env(), elastic=True)
+    command = [made.node_command(r, script, flags, 1, ["--max_restarts", "3"], elastic=True) for r in range(2)]
+    node0 = made.start(0, command[0], env, REPO, open(logs / "node0.log", "w"))
+    node1 = made.start(1, command[1], env, REPO, open(logs / "node1.log", "w"))
+    wait_for(lambda: (out / "checkpoints" / checkpoint).is_dir(), f"checkpoint {checkpoint}", proc=node0)
+    made.lose_node(1)  # its link down, every process on it killed: silence, as a machine that died
+    node1.wait(30)
+    return node0, command[1], env
+
+
+ELASTIC = ["--resume_from_checkpoint", "auto", "--collective_timeout", "10", "--keep_last", "0"]
+ELASTIC_STEPS = 24
+DILOCO_ELASTIC = [*TINY, "--max_steps", "16", "--batch_size", "4", "--global_batch_size", "16", *ELASTIC]
+DILOCO_ELASTIC += ["--outer_optimizer", "nesterov", "--sync_every", "4", "--checkpoint_every", "6"]
+
+
+def ddp_loses_node_1_and_takes_it_back(folder: Path, data_cache: str) -> dict:
+    """DDP on 2 elastic nodes, one process each, --batch_size 4 --global_batch_size 16: node 1 lost for good
+    after the checkpoint of step 4; once node 0 trains alone, node 1 comes back (its launcher started again).
+    Node 0's worker is stopped (SIGSTOP) while node 1 joins, so that a tiny run cannot finish first: it
+    receives torchrun's SIGTERM for the new round, then goes on (a checkpoint at its step, exit 0)."""
+    out = folder / "run"
+    flags = [*TINY, "--max_steps", str(ELASTIC_STEPS), "--batch_size", "4", "--global_batch_size", "16", *ELASTIC]
+    flags += ["--checkpoint_every", "4", "--data_cache_dir", data_cache, "--output_dir", str(out)]
+    with local_nodes.LocalNodes(2) as made:
+        node0, again, env = lose_node_1_after(made, out, "step_4", flags, "scripts/train_ddp.py", folder)
+        lost = time.monotonic()
+        alone = lambda: any(r["type"] == "train" and r["world_size"] == 1 for r in records_of(out))  # noqa: E731
+        wait_for(alone, "node 0 training alone after the loss", proc=node0)
+        alone_after = time.monotonic() - lost
+        under_node0 = psutil.Process(node0.pid).children(recursive=True)
+        workers = [p for p in under_node0 if "train_ddp.py" in " ".join(p.cmdline()) and "-m" not in p.cmdline()]
+        assert len(workers) == 1, workers
+        workers[0].send_signal(signal.SIGSTOP)
+        made.restore_node(1)
+        node1 = made.start(1, again, env, REPO, open(folder / "node1-back.log", "w"))
+        back = time.monotonic()
+        try:
+            wait_for(lambda: pending_sigterm(workers[0].pid), "torchrun's SIGTERM for the joining node", 120, node1)
+            joined_after = time.monotonic() - back
+        finally:
+            workers[0].send_signal(signal.SIGCONT)
+        codes = [node0.wait(240), node1.wait(240)]
+    logs = "\n".join(f.read_text()[-3000:] for f in sorted(folder.glob("node*.log")))
+    return {"out": out, "codes": codes, "logs": logs, "alone_after": alone_after, "joined_after": joined_after}
+
+
+def diloco_loses_node_1(folder: Path, data_cache: str) -> dict:
+    """DiLoCo (K 4) on 2 elastic nodes, one replica each, a checkpoint every 6 steps: node 1 lost for good after
+    the checkpoint of step 6, 2 local steps after the fusion of step 4."""
+    out = folder / "run"
+    flags = [*DILOCO_ELASTIC, "--data_cache_dir", data_cache, "--output_dir", str(out)]
+    with local_nodes.LocalNodes(2) as made:
+        node0, _, _ = lose_node_1_after(made, out, "step_6", flags, "scripts/train_localsgd.py", folder)
+        code = node0.wait(240)
+    return {"out": out, "codes": [code], "logs": (folder / "node0.log").read_text()}
+
+
+@pytest.fixture(scope="module")
+def elastic_runs(tmp_path_factory, data_cache) -> dict:
+    """Both elastic scenarios, side by side on two pairs of nodes (they spend most of their time waiting)."""
+    if netns_reason():
+        pytest.skip(netns_reason())
+    folders = [tmp_path_factory.mktemp("elastic_ddp"), tmp_path_factory.mktemp("elastic_diloco")]
+    errors: list = []
+
+    def guarded(job, folder):
+        def run():
+            try:
+                return job(folder, data_cache)
+            except BaseException as error:  # a failed wait: reported by the tests, not lost in a thread
+                errors.append(error)
+
+        return run
+
+    ddp, diloco = run_side_by_side(
+        guarded(ddp_loses_node_1_and_takes_it_back, folders[0]), guarded(diloco_loses_node_1, folders[1])
+    )
+    if errors:
+        raise errors[0]
+    return {"ddp": ddp, "diloco": diloco}
+
+
+def test_a_node_lost_for_good_then_back_ddp_keeps_its_batches(elastic_runs, reference):
+    """Node 1 lost after step 4: node 0's step waits --collective_timeout (10 s), torchrun restarts its worker
+    alone, which resumes from step 4 on 1 rank with accumulation 4: the same global batches. Node 1 comes back:
+    at the restart its arrival causes, both resume on 2 ranks. Every step of the three parts has the
+    single-process run's loss (1e-5), none is missing."""
+    run = elastic_runs["ddp"]
+    assert run["codes"] == [0, 0], run["logs"]
+    print(f"node 0 trained alone {run['alone_after']:.0f} s after the loss; node 1 joined {run['joined_after']:.0f} s")
+    records = read_metrics(run["out"])
+    parts = [r for r in records if r["type"] == "summary"]
+    assert [(p["world_size"], p["global_batch_size"]) for p in parts] == [(1, 16), (2, 16)], parts  # the first died
+    assert parts[0]["preempted"] and parts[-1]["final_step"] == ELASTIC_STEPS
+    train = [r for r in records if r["type"] == "train"]
+    assert [r["world_size"] for r in train if r.get("resumed")] == [1, 2]
+    assert {r["step"] for r in train} == set(range(1, ELASTIC_STEPS + 1)), "no step may be missing"
+    expected = train_losses(reference("--max_steps", str(ELASTIC_STEPS), "--batch_size", "16"))
+    worst = max(abs(r["loss"] - expected[r["step"]]) for r in train)  # every record, the re-run steps too
+    assert worst <= 1e-5, worst
+    assert (run["out"] / "model" / "model.safetensors").is_file()
+
+
+def test_diloco_goes_on_with_fewer_replicas_from_the_last_fusion(elastic_runs, tmp_path, data_cache):
+    """The survivor resumes from step 6 as the one replica left, from θ at the fusion of step 4 (with the outer
+    momentum), says so in one line, and fuses on at steps 8, 12, 16. Its losses are those of a one-process
+    resume of a copy of that checkpoint, exactly."""
+    run, copy = elastic_runs["diloco"], tmp_path / "copy"
+    assert run["codes"] == [0], run["logs"][-4000:]
+    line = "2 replicas saved the checkpoint, 1 resume it: every replica continues from the model of the last fusion "
+    assert line + "(step 4), dropping the 2 local steps since it" in run["logs"], run["logs"][-4000:]
+    shutil.copytree(run["out"] / "checkpoints" / "step_6", copy / "checkpoints" / "step_6")
+    resume = ["--resume_from_checkpoint", str(copy / "checkpoints" / "step_6"), "--output_dir", str(copy)]
+    launch("train_localsgd.py", [*DILOCO_ELASTIC, "--data_cache_dir", data_cache, *resume])
+    train = [r for r in read_metrics(run["out"]) if r["type"] == "train"]
+    alone = {r["step"]: r["loss"] for r in train if r["world_size"] == 1}
+    assert sorted(alone) == list(range(7, 17)) and alone == train_losses(copy)
+    assert [r["step"] for r in train if r["world_size"] == 1 and r["fused"]] == [8, 12, 16]
+    assert summary(run["out"])["fusions"] == 3 and summary(run["out"])["world_size"] == 1

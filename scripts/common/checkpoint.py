@@ -154,7 +154,7 @@ def check_checkpoint_files(path: Path, state: dict) -> None:
     )
 
 
-def check_compatible(state: dict, path: Path, shapes: dict, global_batch_size: int, world_size: int) -> None:
+def check_compatible(state: dict, path: Path, shapes: dict, global_batch_size: int) -> None:
     """The checkpoint's model must be this model (the first difference is named), at the same global batch."""
     saved = state["param_shapes"]
     difference = next(
@@ -174,12 +174,8 @@ def check_compatible(state: dict, path: Path, shapes: dict, global_batch_size: i
         raise UsageError(
             f"--resume_from_checkpoint {path}: saved with global batch {state['global_batch_size']}"
             f", this run has {global_batch_size}"
-            ": keep batch_size x processes x accumulation equal"
-        )
-    if state.get("per_rank_state") and state["world_size"] != world_size:
-        raise UsageError(
-            f"--resume_from_checkpoint {path}: every rank saved its own state ({state['world_size']} ranks)"
-            f"; resume on {state['world_size']} processes, not {world_size}"
+            ": keep batch_size x processes x accumulation equal, or give --global_batch_size "
+            f"{state['global_batch_size']} (the accumulation then follows the processes)"
         )
 
 
@@ -201,7 +197,7 @@ def check_resume_and_output(
     if resume_path:
         state = read_checkpoint_state(resume_path)
         check_checkpoint_files(resume_path, state)
-        check_compatible(state, resume_path, facts["param_shapes"], global_batch_size, accelerator.num_processes)
+        check_compatible(state, resume_path, facts["param_shapes"], global_batch_size)
         if state["step"] >= args.max_steps:  # a finished run: change nothing
             raise NothingToDo(
                 f"{resume_path} is already at --max_steps {args.max_steps}: nothing to do "
@@ -322,7 +318,8 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
     model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=OPTIONS)
     to_load = {"model": model_sd, "optim": optim_sd}
     per_rank = state.get("per_rank_state", False)
-    state_dir = path / "state" / f"rank_{accelerator.process_index}" if per_rank else path / "state"
+    saved_rank = accelerator.process_index % state.get("world_size", accelerator.num_processes)  # elastic: r mod N
+    state_dir = path / "state" / f"rank_{saved_rank}" if per_rank else path / "state"
     try:
         with _each_rank_alone(per_rank):
             dcp.load(to_load, checkpoint_id=str(state_dir), no_dist=per_rank)  # errors are gathered: every rank raises

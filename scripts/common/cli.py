@@ -31,22 +31,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     a("--output_dir", help="everything the run writes goes here (default: runs/<strategy>)")
     a("--overwrite_output_dir", action="store_true", help="start a new run in an --output_dir that holds one")
     a("--max_steps", type=int, default=1500, help="optimizer steps to run")
-    a(
-        "--stop_at_step",
-        type=int,
-        help="end at step N with a checkpoint, the schedule aiming at --max_steps (time limits)",
-    )
+    a("--stop_at_step", type=int, help="end at step N with a checkpoint, the schedule aiming at --max_steps")
     a("--seed", type=int, default=0, help="fixes init, data order and dropout")
     a("--cpu", action="store_true", help="run on CPU even where CUDA exists")
-    a(
-        "--collective_timeout",
-        type=float,
-        default=300,
-        help="seconds a collective waits for a peer before the run fails",
-    )
+    a("--collective_timeout", type=float, default=300, help="seconds a collective waits for a peer, then fails")
     a = p.add_argument_group("batch and optimizer").add_argument
     a("--batch_size", type=int, default=64, help="micro-batch per data-parallel rank")
     a("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    a("--global_batch_size", type=int, help="keep the global batch whatever the processes: it sets the accumulation")
     a("--optimizer", default="adamw", help="adamw | sgd (plain SGD, no momentum)")
     a("--learning_rate", type=float, default=1e-3, help="peak learning rate")
     a("--weight_decay", type=float, default=0.1, help="decoupled weight decay on matrices (not biases, norms)")
@@ -88,6 +80,18 @@ def check_core_args(args) -> None:
         from .builtin_flags import check_builtin_flags
 
         check_builtin_flags(args)
+
+
+def batch_of_step(args, dp_size: int) -> tuple[int, int]:
+    """(micro-batches per step, global batch) on dp_size ranks: --global_batch_size sets the accumulation."""
+    per_pass, wanted = args.batch_size * dp_size, args.global_batch_size  # per_pass: one micro-batch on each rank
+    if wanted is not None and (wanted < 1 or wanted % per_pass or args.gradient_accumulation_steps != 1):
+        raise UsageError(
+            f"--global_batch_size {wanted} must be a multiple of --batch_size {args.batch_size} x {dp_size} data-"
+            f"parallel ranks = {per_pass}, and sets the accumulation itself (no --gradient_accumulation_steps)"
+        )
+    args.gradient_accumulation_steps = wanted // per_pass if wanted else args.gradient_accumulation_steps
+    return args.gradient_accumulation_steps, per_pass * args.gradient_accumulation_steps
 
 
 def data_source(args) -> dict:

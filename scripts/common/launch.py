@@ -117,15 +117,16 @@ def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **acc
 
 def init_restart_safe_group(use_cpu: bool, timeout: timedelta) -> None:
     """torchrun's key-value store outlives a restart (--max_restarts): new workers would find the dead ones'
-    addresses ("Gloo connectFullMesh failed"). So the group is made on a view of it named after the attempt."""
+    addresses ("Gloo connectFullMesh failed"). So the group is made on a view of it named after the attempt
+    and the world size (a node joining an elastic run restarts the workers without counting an attempt)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
         return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = torch.distributed.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
-    store = torch.distributed.PrefixStore(f"attempt_{attempt}", store)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = torch.distributed.PrefixStore(f"attempt_{attempt}_of_{world_size}", store)
     from .faults import connect_deadline  # gloo's connect can outwait its timeout: one line instead
 
     with connect_deadline(timeout.total_seconds()):
