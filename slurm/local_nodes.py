@@ -279,8 +279,8 @@ class LocalNodes:
 
     def node_env(self, env: dict | None = None, socket_ifname: str | None = IFNAME, elastic: bool = False) -> dict:
         """The environment of every node's launcher. `elastic`: each round of the rendezvous gives the workers
-        a new store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): torchrun's shared one outlives the rounds, and a node
-        that comes back numbers its restarts from 0, so the scripts' per-attempt view of it would differ."""
+        a new store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with torchrun's one shared store, the round that takes
+        a returning node back failed after 60 s (DistStoreError ... MASTER_ADDR, torch 2.13)."""
         env = dict(os.environ if env is None else env)
         env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
         if socket_ifname:
