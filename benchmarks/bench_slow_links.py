@@ -1,0 +1,292 @@
+#!/usr/bin/env python
+"""Slow links, measured as time: DDP, HSDP, DiLoCo and Streaming DiLoCo on 2 and 4 "machines" (network
+namespaces, slurm/local_nodes.py) whose links are limited by `tc tbf` to 10, 20, 100 and 1,000 Mbit/s or
+left unthrottled. `small` on pystdlib (128-token Python sources), the same tokens for every run: global batch
+16 (`--global_batch_size`), the same steps, the same seed.
+
+For each run: the training time per step (the summary's `train_time_s`: the steps themselves, fusions
+included, not the start-up nor the final evaluation), the final validation loss (the whole split, after the
+last fusion), whether it is within 2% of DDP's (the same machines; DDP's losses do not depend on the link),
+the bytes each node's interface sent per step (its counters), and the train loss against wall-clock seconds
+(`elapsed_s` in metrics.jsonl). The goals (issue 32): on 2 nodes at 10 and 20 Mbit/s, DiLoCo at K = 32 within
+10% of its own unthrottled time per step and within 2% of DDP's final validation loss; DDP's slowdown beside
+it. And `plan_layout.py --network`, given a preflight.json measured over the throttled link (scripts/preflight.py
+run on the same nodes) and a compute time calibrated on the unthrottled run, predicts DDP's and HSDP's step time.
+
+One process a node (HSDP: 2, sharding inside the node), so that 2 nodes do not oversubscribe 2 cores; 4 nodes
+run 4 processes on them (their compute is slower, their links as throttled). HSDP needs 2 processes a node: on
+4 nodes that is 8 processes on 2 cores, left out by default (--runs HSDP --nodes 4 runs it).
+
+Prints a table, writes benchmarks/results/slow_links.json and, with matplotlib (benchmarks/requirements.txt),
+benchmarks/results/slow_links.png. Needs root (network namespaces). About 35 minutes with the defaults on
+2 cores.
+
+    sudo .venv/bin/python benchmarks/bench_slow_links.py [--nodes 2 4] [--steps 48] [--runs DDP "DiLoCo K=32"]
+    python benchmarks/bench_slow_links.py --report_only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from harness import REPO
+
+sys.path.insert(0, str(REPO / "slurm"))
+import local_nodes
+
+RESULTS = REPO / "benchmarks" / "results"
+DILOCO = ["--outer_optimizer", "nesterov"]  # outer lr 0.7, momentum 0.9: the defaults
+# name: (script, processes per node, flags)
+RUNS = {
+    "DDP": ("train_ddp.py", 1, []),
+    "HSDP": ("train_fsdp.py", 2, []),  # --dp_replicate = nodes, added per run: shard inside a node
+    "DiLoCo K=8": ("train_localsgd.py", 1, [*DILOCO, "--sync_every", "8"]),
+    "DiLoCo K=32": ("train_localsgd.py", 1, [*DILOCO, "--sync_every", "32"]),
+    "Streaming DiLoCo K=32 F=4 bf16": (
+        "train_localsgd.py",
+        1,
+        [*DILOCO, "--sync_every", "32", "--fragments", "4", "--outer_dtype", "bf16"],
+    ),
+}
+RATES = {2: ["10mbit", "20mbit", "100mbit", "1000mbit", "none"], 4: ["10mbit", "100mbit", "none"]}
+PREDICTED_RATES = ["20mbit", "100mbit"]  # where plan_layout.py --network is checked (2 nodes, DDP and HSDP)
+GLOBAL_BATCH = 16
+
+
+def mbit(rate: str) -> float | None:
+    return None if rate == "none" else float(rate.removesuffix("mbit"))
+
+
+def run_flags(name: str, n_nodes: int, args) -> tuple[str, int, list[str]]:
+    script, per_node, extra = RUNS[name]
+    world = n_nodes * per_node
+    flags = ["--dataset", "pystdlib", "--model_size", "small", "--max_steps", str(args.steps), "--seed", "0"]
+    flags += ["--batch_size", str(GLOBAL_BATCH // world), "--global_batch_size", str(GLOBAL_BATCH)]
+    flags += ["--warmup_steps", "8", "--log_every", "2", "--eval_every", "0", "--collective_timeout", "900", *extra]
+    if name == "HSDP":
+        flags += ["--dp_replicate", str(n_nodes)]
+    return script, per_node, flags
+
+
+def measure(name: str, n_nodes: int, rate: str, args, tmp: Path) -> dict:
+    script, per_node, flags = run_flags(name, n_nodes, args)
+    out = tmp / f"{n_nodes}_{rate}_{name.replace(' ', '_').replace('=', '')}"
+    with local_nodes.LocalNodes(n_nodes, rate=None if rate == "none" else rate) as nodes:
+        result = nodes.run(f"scripts/{script}", [*flags, "--output_dir", str(out)], per_node, 3600, cwd=REPO)
+    if result.returncode != 0 or result.timed_out:
+        raise SystemExit(f"{name}, {n_nodes} nodes, {rate}: exit {result.returncode}\n{result.nodes[0].stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in records if r["type"] == "summary")
+    final_eval = [r for r in records if r["type"] == "eval"][-1]
+    return {
+        "name": name,
+        "nodes": n_nodes,
+        "processes_per_node": per_node,
+        "rate": rate,
+        "steps": summary["steps"],
+        "train_time_s": summary["train_time_s"],
+        "step_s": summary["train_time_s"] / summary["steps"],
+        "final_eval_loss": final_eval["eval_loss"],
+        "tx_bytes_per_step_per_node": [n.tx_bytes / summary["steps"] for n in result.nodes],
+        "wall_s": round(result.seconds, 1),
+        "curve": [(r["elapsed_s"], r["loss"]) for r in records if r["type"] == "train"],
+    }
+
+
+def plan(layout: list[str], world: int, per_node: int, network: Path | None, peak_tflops: float) -> dict:
+    """plan_layout.py's figures for one layout of `small` at this batch (--json)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "plan_layout.py"), "--model_size", "small", "--seq_len", "128"]
+    cmd += ["--world_size", str(world), "--gpus_per_node", str(per_node), "--pp_size", "1", "--tp_size", "1"]
+    cmd += ["--batch_size", str(GLOBAL_BATCH // world), "--n_microbatches", "1", "--peak_tflops", str(peak_tflops)]
+    cmd += [*layout, "--json", *(["--network", str(network)] if network else [])]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    return json.loads(text[text.index("[{") :])[0]
+
+
+def predict(results: list[dict], tmp: Path) -> list[dict]:
+    """For DDP and HSDP on 2 nodes at PREDICTED_RATES: preflight.py measures the links on the throttled nodes
+    (2 processes a node: the node's own loopback and the link), plan_layout.py --network plans with them, the
+    compute calibrated so that the plan's compute equals the run's unthrottled step."""
+    layouts = {
+        "DDP": (["--dp_replicate", "2", "--dp_shard", "1"], 2, 1),
+        "HSDP": (["--dp_replicate", "2", "--dp_shard", "2"], 4, 2),
+    }
+    rows = []
+    for rate in PREDICTED_RATES:
+        network = tmp / f"preflight_{rate}.json"
+        check = ["--sizes", "256K,4M", "--iters", "2", "--timeout", "600", "--output", str(network)]
+        with local_nodes.LocalNodes(2, rate=rate) as nodes:
+            done = nodes.run("scripts/preflight.py", check, 2, 1200, cwd=REPO)
+        if done.returncode != 0:
+            raise SystemExit(f"preflight at {rate}: exit {done.returncode}\n{done.nodes[0].stderr[-3000:]}")
+        inter = json.loads(network.read_text())["links"]["inter_node"]
+        for name, (layout, world, per_node) in layouts.items():
+            measured = {r["rate"]: r for r in results if r["name"] == name and r["nodes"] == 2}
+            if rate not in measured or "none" not in measured:
+                continue
+            flops = plan(layout, world, per_node, None, 1.0)["compute_s"] * 1e12  # at 1 TFLOP/s
+            peak = flops / measured["none"]["step_s"] / 1e12  # the CPU's effective rate on this run
+            planned = plan(layout, world, per_node, network, peak)  # the links preflight.py measured
+            # the link's own rate, as plan_layout.py counts links: per process (the node's processes share it)
+            share = mbit(rate) / 8 / 1000 / per_node
+            nominal = plan([*layout, "--inter_node_GBps", str(share)], world, per_node, None, peak)
+            step = measured[rate]["step_s"]
+            rows.append(
+                {
+                    "name": name,
+                    "rate": rate,
+                    "preflight_inter_node_GBps": inter["bandwidth_GBps"],
+                    "rate_GBps_per_process": share,
+                    "calibrated_peak_tflops": round(peak, 6),
+                    "planned_step_s": planned["step_time_s"],
+                    "planned_at_rate_step_s": nominal["step_time_s"],
+                    "measured_step_s": round(step, 4),
+                    "error": round(planned["step_time_s"] / step - 1, 4),
+                    "error_at_rate": round(nominal["step_time_s"] / step - 1, 4),
+                }
+            )
+    return rows
+
+
+def goals(results: list[dict]) -> list[dict]:
+    """DiLoCo K=32 and DDP on 2 nodes at 10 and 20 Mbit/s against their own unthrottled runs."""
+    by = {(r["name"], r["nodes"], r["rate"]): r for r in results}
+    rows = []
+    for rate in ("10mbit", "20mbit"):
+        diloco, ddp = by.get(("DiLoCo K=32", 2, rate)), by.get(("DDP", 2, rate))
+        free, ddp_free = by.get(("DiLoCo K=32", 2, "none")), by.get(("DDP", 2, "none"))
+        if not (diloco and ddp and free and ddp_free):
+            continue
+        rows.append(
+            {
+                "rate": rate,
+                "diloco_k32_slowdown": round(diloco["step_s"] / free["step_s"], 3),
+                "diloco_k32_within_10pct": diloco["step_s"] <= 1.10 * free["step_s"],
+                "diloco_k32_loss_vs_ddp": round(diloco["final_eval_loss"] / ddp["final_eval_loss"] - 1, 4),
+                "diloco_k32_within_2pct": diloco["final_eval_loss"] <= 1.02 * ddp["final_eval_loss"],
+                "ddp_slowdown": round(ddp["step_s"] / ddp_free["step_s"], 3),
+            }
+        )
+    return rows
+
+
+def report(data: dict) -> None:
+    results = data["runs"]
+    ddp_loss = {(r["nodes"], r["rate"]): r["final_eval_loss"] for r in results if r["name"] == "DDP"}
+    print(f"\n{data['steps']} steps of {GLOBAL_BATCH} x 128 tokens, small on pystdlib\n")
+    print(
+        "| nodes | link | run | s/step | train s | to DDP's loss (2%) | final val loss | vs DDP | MB sent/step/node |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        target = ddp_loss.get((r["nodes"], r["rate"]))
+        gap = r["final_eval_loss"] / target - 1 if target else None
+        reached = gap is not None and gap <= 0.02
+        sent = max(r["tx_bytes_per_step_per_node"]) / 1e6
+        to_target = f"{r['train_time_s']:.1f} s" if reached else "not reached"
+        print(
+            f"| {r['nodes']} | {r['rate']} | {r['name']} | {r['step_s']:.3f} | {r['train_time_s']:.1f} | "
+            f"{to_target} | {r['final_eval_loss']:.4f} | "
+            f"{'' if gap is None else f'{gap:+.2%}'} | {sent:.3f} |"
+        )
+    if data.get("goals"):
+        print(
+            "\n| 2 nodes | DiLoCo K=32 vs its unthrottled step | within 10% | loss vs DDP | within 2% | DDP slowdown |"
+        )
+        print("|---|---|---|---|---|---|")
+        for g in data["goals"]:
+            print(
+                f"| {g['rate']} | {g['diloco_k32_slowdown']:.3f}x | {g['diloco_k32_within_10pct']} | "
+                f"{g['diloco_k32_loss_vs_ddp']:+.2%} | {g['diloco_k32_within_2pct']} | {g['ddp_slowdown']:.1f}x |"
+            )
+    if data.get("predictions"):
+        print(
+            "\n| 2 nodes | run | measured s/step | plan, --network (preflight) | error | "
+            "plan, the link's rate | error |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for p in data["predictions"]:
+            print(
+                f"| {p['rate']} | {p['name']} | {p['measured_step_s']:.3f} | {p['planned_step_s']:.3f} "
+                f"({p['preflight_inter_node_GBps']:.5f} GB/s) | {p['error']:+.1%} | {p['planned_at_rate_step_s']:.3f} "
+                f"({p['rate_GBps_per_process']:.5f} GB/s) | {p['error_at_rate']:+.1%} |"
+            )
+
+
+def plot(data: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -r benchmarks/requirements.txt): no plot")
+        return
+    shown = [(2, "10mbit"), (2, "none"), (4, "10mbit")]
+    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), sharey=True)
+    for ax, (n_nodes, rate) in zip(axes, shown, strict=True):
+        for r in data["runs"]:
+            if r["nodes"] == n_nodes and r["rate"] == rate and r["curve"]:
+                seconds, losses = zip(*r["curve"], strict=True)
+                ax.plot(seconds, losses, label=r["name"])
+        ax.set_title(f"{n_nodes} nodes, link {rate if rate != 'none' else 'unthrottled'}")
+        ax.set_xlabel("wall-clock seconds since the start of training")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("train loss")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "slow_links.png", dpi=110)
+    print(f"plot: {RESULTS / 'slow_links.png'}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="machines (namespaces): 2, 4")
+    p.add_argument("--steps", type=int, default=48, help="optimizer steps of every run")
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), help="only these runs (default: all; HSDP on 2 nodes)")
+    p.add_argument("--rates", nargs="+", help="only these link rates (e.g. 20mbit none)")
+    p.add_argument("--no_prediction", action="store_true", help="skip preflight.py and plan_layout.py's prediction")
+    p.add_argument("--report_only", action="store_true", help="print the table of benchmarks/results/slow_links.json")
+    args = p.parse_args()
+    path = RESULTS / "slow_links.json"
+    if args.report_only:
+        data = json.loads(path.read_text())
+        report(data)
+        plot(data)
+        return 0
+    reason = local_nodes.unavailable_reason()
+    if reason:
+        print(f"error: bench_slow_links.py: {reason}", file=sys.stderr)
+        return 2
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n_nodes in args.nodes:
+            for rate in RATES.get(n_nodes, RATES[2]):
+                if args.rates and rate not in args.rates:
+                    continue
+                for name in args.runs or [n for n in RUNS if n != "HSDP" or n_nodes == 2]:
+                    results.append(measure(name, n_nodes, rate, args, Path(tmp)))
+                    r = results[-1]
+                    print(
+                        f"{n_nodes} nodes, {rate:>8}, {name:<31} {r['step_s']:.3f} s/step, "
+                        f"val {r['final_eval_loss']:.4f}, {max(r['tx_bytes_per_step_per_node']) / 1e6:.3f} MB a step",
+                        flush=True,
+                    )
+        predictions = [] if args.no_prediction or 2 not in args.nodes else predict(results, Path(tmp))
+    data = {"steps": args.steps, "global_batch": GLOBAL_BATCH, "runs": results, "goals": goals(results)}
+    data["predictions"] = predictions
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    report(data)
+    plot(data)
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
