@@ -18,7 +18,7 @@ run 4 processes on them (their compute is slower, their links as throttled). HSD
 4 nodes that is 8 processes on 2 cores, left out by default (--runs HSDP --nodes 4 runs it).
 
 Prints a table, writes benchmarks/results/slow_links.json and, with matplotlib (benchmarks/requirements.txt),
-benchmarks/results/slow_links.png. Needs root (network namespaces). About 35 minutes with the defaults on
+benchmarks/results/slow_links.png. Needs root (network namespaces). About 40 minutes with the defaults on
 2 cores.
 
     sudo .venv/bin/python benchmarks/bench_slow_links.py [--nodes 2 4] [--steps 48] [--runs DDP "DiLoCo K=32"]
@@ -103,7 +103,7 @@ def plan(layout: list[str], world: int, per_node: int, network: Path | None, pea
     cmd = [sys.executable, str(REPO / "scripts" / "plan_layout.py"), "--model_size", "small", "--seq_len", "128"]
     cmd += ["--world_size", str(world), "--gpus_per_node", str(per_node), "--pp_size", "1", "--tp_size", "1"]
     cmd += ["--batch_size", str(GLOBAL_BATCH // world), "--n_microbatches", "1", "--peak_tflops", str(peak_tflops)]
-    cmd += [*layout, "--json", *(["--network", str(network)] if network else [])]
+    cmd += [*layout, "--no_overlap", "--json", *(["--network", str(network)] if network else [])]  # CPUs: no overlap
     text = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
     return json.loads(text[text.index("[{") :])[0]
 
@@ -233,12 +233,13 @@ def plot(data: dict) -> None:
         for r in data["runs"]:
             if r["nodes"] == n_nodes and r["rate"] == rate and r["curve"]:
                 seconds, losses = zip(*r["curve"], strict=True)
-                ax.plot(seconds, losses, label=r["name"])
+                ax.plot(seconds, losses, label=r["name"], color=f"C{list(RUNS).index(r['name'])}")  # one colour a run
         ax.set_title(f"{n_nodes} nodes, link {rate if rate != 'none' else 'unthrottled'}")
         ax.set_xlabel("wall-clock seconds since the start of training")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("train loss")
-    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(RESULTS / "slow_links.png", dpi=110)
     print(f"plot: {RESULTS / 'slow_links.png'}")
@@ -252,6 +253,7 @@ def main() -> int:
     p.add_argument("--rates", nargs="+", help="only these link rates (e.g. 20mbit none)")
     p.add_argument("--no_prediction", action="store_true", help="skip preflight.py and plan_layout.py's prediction")
     p.add_argument("--report_only", action="store_true", help="print the table of benchmarks/results/slow_links.json")
+    p.add_argument("--predict_only", action="store_true", help="only the predictions, for the runs in slow_links.json")
     args = p.parse_args()
     path = RESULTS / "slow_links.json"
     if args.report_only:
@@ -263,6 +265,13 @@ def main() -> int:
     if reason:
         print(f"error: bench_slow_links.py: {reason}", file=sys.stderr)
         return 2
+    if args.predict_only:
+        data = json.loads(path.read_text())
+        with tempfile.TemporaryDirectory() as tmp:
+            data["predictions"] = predict(data["runs"], Path(tmp))
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        report(data)
+        return 0
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for n_nodes in args.nodes:

@@ -583,7 +583,8 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         for (group, kind), (calls, nbytes) in step.items.items():
             t = collective_seconds(kind, nbytes, calls, sizes[group], links[link_names[group]])
             seconds["dp" if group.startswith("dp") else group] += t
-        exposed = seconds["tp"] + seconds["pp"] + max(0.0, seconds["dp"] - compute_s)  # FSDP overlaps compute
+        hidden = 0.0 if args.no_overlap else compute_s  # FSDP and DDP overlap compute (GPUs), not on CPUs
+        exposed = seconds["tp"] + seconds["pp"] + max(0.0, seconds["dp"] - hidden)
         if exposed >= worst["exposed"]:
             worst = {"exposed": exposed, **seconds}
     ring = ring_traffic(cfg, layout, args, micro_batch, bf16, links)
@@ -828,6 +829,12 @@ def build_args() -> argparse.ArgumentParser:
             f"(default: --network's measurement, else {default['latency_us']:g})",
         )
     g.add_argument("--network", help="a preflight result (JSON written by scripts/preflight.py): measured links")
+    g.add_argument(
+        "--no_overlap",
+        action="store_true",
+        help="the data-parallel collectives do not overlap the compute: add their time to it (CPUs with gloo, where "
+        "one thread does both; default: overlapped, as on GPUs)",
+    )
     g = p.add_argument_group("layout (give none to rank every valid one; any you give are kept fixed)")
     for dim, help_text in (
         ("pp", "pipeline stages"),

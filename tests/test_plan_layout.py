@@ -200,6 +200,19 @@ def test_network_file_replaces_the_default_links(monkeypatch, capsys):
     assert measured["dp_s"] == pytest.approx(default["dp_s"], rel=1e-6)  # FSDP crosses nodes: default link
 
 
+def test_no_overlap_adds_the_data_parallel_time_to_the_compute(monkeypatch, capsys):
+    """DDP on 2 nodes over a 20 Mbit/s link: overlapped, the step is the longer of the two; --no_overlap (CPUs,
+    gloo) adds them, as bench_slow_links.py measured (1.52 s planned, 1.64 s measured)."""
+    flags = ("--model_size", "small", "--seq_len", "128", "--world_size", "2", "--gpus_per_node", "1", "--pp_size", "1")
+    flags += ("--dp_replicate", "2", "--dp_shard", "1", "--tp_size", "1", "--batch_size", "8", "--n_microbatches", "1")
+    flags += ("--inter_node_GBps", "0.0025", "--peak_tflops", "0.5")
+    overlapped = plan(monkeypatch, capsys, *flags)[0]
+    added = plan(monkeypatch, capsys, *flags, "--no_overlap")[0]
+    assert overlapped["dp_s"] == pytest.approx(3501056 / 0.0025e9, rel=0.01)  # the gradients once over the link
+    assert overlapped["step_time_s"] == pytest.approx(max(overlapped["compute_s"], overlapped["dp_s"]), rel=1e-6)
+    assert added["step_time_s"] == pytest.approx(added["compute_s"] + added["dp_s"], rel=1e-6)
+
+
 def test_json_is_the_last_line_and_1b_on_1024_gpus_takes_seconds(monkeypatch, capsys):
     start = time.perf_counter()
     records = plan(monkeypatch, capsys, "--model_size", "1b", "--world_size", "1024", "--mixed_precision", "bf16")
