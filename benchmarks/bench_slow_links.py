@@ -18,7 +18,7 @@ run 4 processes on them (their compute is slower, their links as throttled). HSD
 4 nodes that is 8 processes on 2 cores, left out by default (--runs HSDP --nodes 4 runs it).
 
 Prints a table, writes benchmarks/results/slow_links.json and, with matplotlib (benchmarks/requirements.txt),
-benchmarks/results/slow_links.png. Needs root (network namespaces). About 40 minutes with the defaults on
+benchmarks/results/slow_links.png. Needs root (network namespaces). About 45 minutes with the defaults on
 2 cores.
 
     sudo .venv/bin/python benchmarks/bench_slow_links.py [--nodes 2 4] [--steps 48] [--runs DDP "DiLoCo K=32"]
@@ -53,7 +53,7 @@ RUNS = {
         [*DILOCO, "--sync_every", "32", "--fragments", "4", "--outer_dtype", "bf16"],
     ),
 }
-RATES = {2: ["10mbit", "20mbit", "100mbit", "1000mbit", "none"], 4: ["10mbit", "100mbit", "none"]}
+RATES = {2: ["10mbit", "20mbit", "100mbit", "1000mbit", "none"], 4: ["10mbit", "100mbit", "1000mbit", "none"]}
 PREDICTED_RATES = ["20mbit", "100mbit"]  # where plan_layout.py --network is checked (2 nodes, DDP and HSDP)
 GLOBAL_BATCH = 16
 
