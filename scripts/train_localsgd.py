@@ -17,6 +17,10 @@ Two ways to fuse (--outer_optimizer):
 Streaming DiLoCo (--fragments F) fuses the blocks in F fragments, fragment f at the steps ≡ f·K/F
 (mod K): the same bytes, spread over time, so the peak bandwidth is F times lower; --outer_dtype bf16
 halves the bytes of the pseudo-gradient all-reduce. Each fusion is ONE all-reduce of a flat buffer.
+Overlapped fusions (--overlap_steps τ, Streaming DiLoCo's overlap): the all-reduce runs in the background
+while the replicas take τ more inner steps; then the outer step lands, and each replica mixes
+    θ_r ← α·θ_r + (1 − α)·θ_last        (--overlap_mix α, 0.5 in the paper)
+so a slow link costs no waiting once τ steps take longer than the all-reduce.
 
 What is fused: the parameters, and the running statistics of BatchNorm layers (averaged, as at each
 evaluation and checkpoint: common/batchnorm.py). Each rank keeps its own inner (AdamW) optimizer state.
@@ -43,6 +47,7 @@ Lines marked `# Accelerate:` are the library's part; `# Local SGD:` marks what d
 """
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
@@ -113,11 +118,13 @@ class ReplicaSync:
 
     average:   θ ← mean_r θ_r                                  (Local SGD)
     nesterov:  Δ = θ_last − θ_r;  θ_last ← OuterSGD(θ_last, mean_r Δ);  θ_r ← θ_last   (DiLoCo)
+    overlapped (--overlap_steps τ): start() sends Δ at step t; land() at t + τ: θ_r ← α·θ_r + (1 − α)·θ_last
 
     Every rank computes the same outer step from the same mean Δ, so θ_last and the outer momentum
     are the same everywhere: state_dict() is saved once, by the main process."""
 
-    def __init__(self, model, fragments, sync_every, dp_size, outer_optimizer, outer_lr, outer_momentum, outer_dtype):
+    def __init__(self, model, fragments, sync_every, dp_size, outer, overlap_steps=0, overlap_mix=0.0):
+        outer_optimizer, outer_lr, outer_momentum, outer_dtype = outer
         self.fragments, self.sync_every, self.dp_size = fragments, sync_every, dp_size
         self.model = model  # its BatchNorm statistics are averaged with the last fragment (not outer-stepped)
         self.compared = [*fragments[:-1], fragments[-1] + running_stats(model)]  # what the spread compares
@@ -125,11 +132,16 @@ class ReplicaSync:
         self.names = [[name_of[id(p)] for p in fragment] for fragment in fragments]  # saved with θ_last
         self.outer_optimizer, self.outer_dtype = outer_optimizer, outer_dtype
         self.settings = {"outer_optimizer": outer_optimizer, "sync_every": sync_every, "fragments": len(fragments)}
+        self.settings["overlap_steps"] = overlap_steps
         self.offsets = [f * sync_every // len(fragments) for f in range(len(fragments))]
         self.last_fused = [0] * len(fragments)  # the step of each fragment's last fusion
         self.fusions = [0] * len(fragments)  # this run's fusions of each fragment
         self.fragment_mib = [ring_allreduce_bytes(self.nbytes(fr), dp_size) / 2**20 for fr in fragments]
         self.counter = CollectiveCounter()  # the all-reduces the fusions really make, and their buffers
+        # DiLoCo --overlap_steps: the fusion in flight, and the seconds the steps waited for one to arrive
+        self.overlap_steps, self.overlap_mix, self.in_flight, self.wait_s = overlap_steps, overlap_mix, None, 0.0
+        # its own process group (its own connections): the steps' small collectives never queue behind it
+        self.fusion_group = torch.distributed.new_group() if overlap_steps and dp_size > 1 else None
         if outer_optimizer == "nesterov":
             # DiLoCo: θ_last, the parameters at the last fusion, in CPU memory (they wait K steps there)
             self.last = [[p.detach().to("cpu", torch.float32, copy=True) for p in fr] for fr in fragments]
@@ -151,46 +163,81 @@ class ReplicaSync:
     @torch.no_grad()
     def fuse(self, fragment: int, step: int) -> None:
         """Collective: every rank fuses the same fragment at the same step."""
+        if self.outer_optimizer == "nesterov":  # DiLoCo: send the pseudo-gradient, and wait for it at once
+            self.start(fragment, step)
+            return self.land(mix=0.0)
         params = self.fragments[fragment]
-        with self.counter:
-            if self.outer_optimizer == "average":  # Local SGD: the parameters themselves, averaged
-                flat = torch.cat([p.detach().reshape(-1) for p in params])
-                self.all_reduce_mean(flat)
-                new = flat
-            else:  # DiLoCo: the pseudo-gradient Δ = θ_last − θ_rank, averaged, steps θ_last
-                last = self.last[fragment]
-                device = params[0].device
-                delta = torch.cat([(t.to(device) - p.detach()).reshape(-1) for t, p in zip(last, params)])
-                mean_delta = self.all_reduce_mean(delta.to(self.outer_dtype)).float().cpu()
-                for t, g in zip(last, mean_delta.split([t.numel() for t in last])):
-                    t.grad = g.view_as(t)
-                self.outer[fragment].step()  # DiLoCo: the outer SGD (Nesterov) step on θ_last
-                new = torch.cat([t.reshape(-1) for t in last]).to(device)
-        for p, value in zip(params, new.split([p.numel() for p in params])):
+        with self.counter:  # Local SGD: the parameters themselves, averaged
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            if self.dp_size > 1:
+                torch.distributed.all_reduce(flat)  # Local SGD: ONE all-reduce (sum) of the flat buffer
+                flat /= self.dp_size
+        for p, value in zip(params, flat.split([p.numel() for p in params])):
             p.copy_(value.view_as(p))  # every rank continues from the fused parameters
+        self.fused(fragment, step)
+
+    def fused(self, fragment: int, step: int) -> None:
         if fragment == len(self.fragments) - 1 and self.dp_size > 1:
             with self.counter:
                 average_running_stats(self.model)  # BatchNorm's statistics: averaged, whatever the outer optimizer
         self.last_fused[fragment] = step
         self.fusions[fragment] += 1
 
-    def all_reduce_mean(self, flat: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def start(self, fragment: int, step: int) -> None:
+        """DiLoCo: the pseudo-gradient Δ = θ_last − θ_rank starts its all-reduce (sum); land() waits for it."""
+        params, last = self.fragments[fragment], self.last[fragment]
+        delta = torch.cat([(t.to(p.device) - p.detach()).reshape(-1) for t, p in zip(last, params)])
+        delta = delta.to(self.outer_dtype)
+        work = None
         if self.dp_size > 1:
-            torch.distributed.all_reduce(flat)  # Local SGD: ONE all-reduce (sum) of the flat buffer
-            flat /= self.dp_size
-        return flat
+            with self.counter:  # DiLoCo: ONE all-reduce of the flat buffer, in the background if overlapped
+                work = torch.distributed.all_reduce(delta, group=self.fusion_group, async_op=True)
+        self.in_flight = {"fragment": fragment, "step": step, "work": work, "delta": delta}
+        self.fused(fragment, step)
+
+    def arrived(self) -> torch.Tensor:
+        """The mean pseudo-gradient of the fusion in flight, once its all-reduce is done (waits if not)."""
+        flight = self.in_flight
+        if flight["work"] is not None:
+            began = time.perf_counter()
+            flight["work"].wait()  # DiLoCo: the only place a step waits for a fusion
+            self.wait_s += time.perf_counter() - began
+            flight["delta"] /= self.dp_size
+            flight["work"] = None
+        return flight["delta"]
+
+    @torch.no_grad()
+    def land(self, mix: float) -> None:
+        """DiLoCo: the outer step from the mean pseudo-gradient; each replica becomes mix·θ_r + (1 − mix)·θ_last."""
+        fragment, mean_delta = self.in_flight["fragment"], self.arrived().float().cpu()
+        last, params = self.last[fragment], self.fragments[fragment]
+        for t, g in zip(last, mean_delta.split([t.numel() for t in last])):
+            t.grad = g.view_as(t)
+        self.outer[fragment].step()  # DiLoCo: the outer SGD (Nesterov) step on θ_last
+        for p, t in zip(params, last):  # every rank continues from the fused parameters (mixed, if overlapped)
+            if mix == 0:
+                p.copy_(t.to(p.device))
+            else:
+                p.lerp_(t.to(p.device), 1 - mix)  # mix·θ_r + (1 − mix)·θ_last
+        self.in_flight = None
 
     def after_step(self, step: int) -> list[int]:
-        """Fuses the fragments due after `step`; returns them."""
+        """Lands the fusion in flight whose τ steps are done, then fuses (or starts) the fragments due after
+        `step`; returns them."""
+        if self.in_flight and step == self.in_flight["step"] + self.overlap_steps:
+            self.land(self.overlap_mix)
         fused = self.due(step)
         for f in fused:
-            self.fuse(f, step)
+            self.start(f, step) if self.overlap_steps else self.fuse(f, step)
         return fused
 
     def finish(self, step: int) -> list[int]:
         """The final fusion: every fragment not fused at `step` (the last step) is fused now."""
         if self.dp_size == 1 and self.outer_optimizer == "average":
             return []
+        if self.in_flight:  # started at this step: no inner step since, so no mix (the replicas become one)
+            self.land(0.0 if self.in_flight["step"] == step else self.overlap_mix)
         rest = [f for f, last in enumerate(self.last_fused) if last != step]
         for f in rest:
             self.fuse(f, step)
@@ -200,11 +247,14 @@ class ReplicaSync:
         state = {"settings": self.settings, "last_fused": self.last_fused}
         if self.outer_optimizer == "nesterov":
             state |= {"names": self.names, "last": self.last, "outer": [opt.state_dict() for opt in self.outer]}
+        if self.in_flight:  # DiLoCo: a fusion in flight is saved arrived, to land at the same step after a resume
+            state["in_flight"] = {k: self.in_flight[k] for k in ("fragment", "step")} | {"mean": self.arrived().cpu()}
         return state
 
     def load_state_dict(self, state: dict | None, path) -> None:
         """Restores θ_last and the outer momentum; refuses a checkpoint of other fusion settings."""
         saved = (state or {}).get("settings", {"outer_optimizer": "average", "sync_every": None, "fragments": 1})
+        saved = {"overlap_steps": 0, **saved}
         differ = [k for k in self.settings if saved[k] is not None and saved[k] != self.settings[k]]
         if differ:
             flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
@@ -220,6 +270,10 @@ class ReplicaSync:
                     t.copy_(s)
             for opt, opt_state in zip(self.outer, state["outer"]):
                 opt.load_state_dict(opt_state)
+        if (state or {}).get("in_flight"):  # arrived already: land() divides nothing more
+            flight = state["in_flight"]
+            device = self.fragments[0][0].device
+            self.in_flight = {**flight, "work": None, "delta": flight.pop("mean").to(device)}
 
     @torch.no_grad()
     def continue_from_fusion(self, step: int, saved_replicas: int, path) -> str:
@@ -236,6 +290,8 @@ class ReplicaSync:
                 f"{saved_replicas} processes, or from a checkpoint taken at a fusion (--checkpoint_every a multiple "
                 "of --sync_every)"
             )
+        if self.in_flight:
+            self.land(0.0)  # DiLoCo: the outer step of the fusion in flight (its mean was saved)
         if self.outer_optimizer == "nesterov":
             for fragment, last in zip(self.fragments, self.last):
                 for p, t in zip(fragment, last):
@@ -257,6 +313,9 @@ class ReplicaSync:
             "outer_optimizer": args.outer_optimizer,
             "fragments": args.fragments,
             "outer_dtype": args.outer_dtype,
+            "overlap_steps": self.overlap_steps,
+            "overlap_mix": self.overlap_mix,
+            "fusion_wait_s": round(self.wait_s, 3),  # DiLoCo: the steps' time spent waiting for a fusion
             "fusions": sum(self.fusions),
             "fusions_per_fragment": self.fusions,
             "fusion_allreduce_calls": counted["calls"],
@@ -292,10 +351,21 @@ def check_localsgd_flags(args) -> None:
             f"--fragments {args.fragments} must divide --sync_every {args.sync_every}: fragment f is fused at the "
             "steps = f*K/F (mod K); pick F among the divisors of K"
         )
+    period = args.sync_every // args.fragments  # the steps between two fusions
     if args.outer_optimizer == "nesterov" and (args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1):
         raise UsageError(
             f"--outer_lr {args.outer_lr} / --outer_momentum {args.outer_momentum}: the outer learning rate must be "
             "above 0 and the momentum in [0, 1) (DiLoCo uses 0.7 and 0.9)"
+        )
+    if args.overlap_steps and (args.outer_optimizer != "nesterov" or not 0 < args.overlap_steps <= period):
+        raise UsageError(
+            f"--overlap_steps {args.overlap_steps} must be between 1 and --sync_every / --fragments = {period}, "
+            "with --outer_optimizer nesterov: one fusion in flight at a time, landing before the next starts"
+        )
+    if not 0 <= args.overlap_mix < 1:
+        raise UsageError(
+            f"--overlap_mix {args.overlap_mix} must be in [0, 1): the share of its own parameters a replica keeps "
+            "when an overlapped fusion lands (0: the fused model alone; Streaming DiLoCo uses 0.5)"
         )
     if args.outer_dtype == "bf16" and args.outer_optimizer == "average":
         raise UsageError(
@@ -378,6 +448,20 @@ def main():
         help="dtype of the pseudo-gradient all-reduce (bf16: half the bytes; needs --outer_optimizer nesterov)",
     )
     g.add_argument(
+        "--overlap_steps",
+        type=int,
+        default=0,
+        help="DiLoCo: a fusion's all-reduce overlaps the next τ inner steps, then lands (0: every step waits for it; "
+        "at most --sync_every / --fragments)",
+    )
+    g.add_argument(
+        "--overlap_mix",
+        type=float,
+        default=0.5,
+        help="DiLoCo with --overlap_steps: a replica keeps this share of its own parameters when a fusion lands "
+        "(α; the rest is the fused model)",
+    )
+    g.add_argument(
         "--save_rank_models",
         action="store_true",
         help="every rank also saves its own model right before the final fusion, to OUTPUT_DIR/rank_models/rank_<r> "
@@ -449,15 +533,15 @@ def main():
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     no_sync = accelerator.no_sync(model)  # Local SGD: DDP never all-reduces the gradients from here on
     no_sync.__enter__()
+    outer_dtype = torch.bfloat16 if args.outer_dtype == "bf16" else torch.float32
     replica_sync = ReplicaSync(  # DiLoCo: after prepare, so θ_last is taken from the parameters every rank starts from
         model,
         fragments,
         args.sync_every,
         dp_size,
-        args.outer_optimizer,
-        args.outer_lr,
-        args.outer_momentum,
-        torch.bfloat16 if args.outer_dtype == "bf16" else torch.float32,
+        (args.outer_optimizer, args.outer_lr, args.outer_momentum, outer_dtype),
+        args.overlap_steps,  # DiLoCo: the inner steps a fusion's all-reduce overlaps
+        args.overlap_mix,
     )
 
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
@@ -479,6 +563,8 @@ def main():
     ddp_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # DDP: fp32 gradients, every step
     method = "DiLoCo" if args.outer_optimizer == "nesterov" else "Local SGD"
     where = f" in {args.fragments} fragments, each" if args.fragments > 1 else ""
+    if args.overlap_steps:
+        method += f" overlapping each fusion with {args.overlap_steps} steps (mix {args.overlap_mix})"
     fusion_mib = replica_sync.fragment_mib
     fusion_line = (
         f"{method}: fusing every {args.sync_every} steps{where}; {max(fusion_mib):.2f} MiB per fusion and "

@@ -1,6 +1,7 @@
 """train_localsgd.py (Local SGD, DiLoCo, Streaming DiLoCo) and merge_checkpoints.py: real 2-process CPU launches."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -46,25 +47,34 @@ OUTER_AVERAGING = [*K4, "--outer_optimizer", "nesterov", "--outer_lr", "1", "--o
 DILOCO_7 = ["--max_steps", "7", "--sync_every", "3", "--batch_size", "8", "--outer_optimizer", "nesterov"]
 DILOCO_7 += ["--checkpoint_every", "6", "--save_rank_models"]
 SYNC_EVERY_STEP = ["--max_steps", "10", *SGD, "--batch_size", "4", "--sync_every", "1"]
-# the module's 2-process runs, in one launch, in turn (run_in_turn)
-RUNS = {
-    "k4": [*K4, "--save_rank_models"],  # AdamW, fusion every 4 steps, 10 steps: fusions at 4, 8 and the end
-    "streaming": STREAMING,  # Streaming DiLoCo (Nesterov outer SGD, 2 fragments, bf16 all-reduce), a checkpoint at 5
-    "outer_averaging": OUTER_AVERAGING,
-    "diloco_7": DILOCO_7,
-    "sync_every_step": SYNC_EVERY_STEP,
-}
+# overlapped DiLoCo: the fusions started at 4 and 8 land at 6 and 10; the step-5 checkpoint holds one in flight
+OVERLAP = [*K4, "--outer_optimizer", "nesterov", "--overlap_steps", "2", "--checkpoint_every", "5"]
+NO_MOMENTUM = ["--sync_every", "4", "--batch_size", "8", "--outer_optimizer", "nesterov", "--outer_momentum", "0"]
+# the module's 2-process runs, in one launch, in turn (run_in_turn); a name twice: the same output, a resume
+RUNS = [
+    ("k4", [*K4, "--save_rank_models"]),  # AdamW, fusion every 4 steps, 10 steps: fusions at 4, 8 and the end
+    ("streaming", STREAMING),  # Streaming DiLoCo (Nesterov outer SGD, 2 fragments, bf16 all-reduce), a checkpoint at 5
+    ("outer_averaging", OUTER_AVERAGING),
+    ("diloco_7", DILOCO_7),
+    ("sync_every_step", SYNC_EVERY_STEP),
+    ("overlap", OVERLAP),
+    ("overlap_resumed", [*OVERLAP, "--stop_at_step", "5"]),
+    ("overlap_resumed", [*OVERLAP, "--resume_from_checkpoint", "latest"]),
+    ("no_momentum_4", [*NO_MOMENTUM, "--max_steps", "4"]),  # one fusion, at the last step
+    ("overlap_unmixed_6", [*NO_MOMENTUM, "--max_steps", "6", "--overlap_steps", "2", "--overlap_mix", "0"]),
+]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache) -> dict:
     folder = tmp_path_factory.mktemp("localsgd")
-    outs = {name: folder / name for name in RUNS}
+    outs = {name: folder / name for name, _ in RUNS}
     cases = [
         [str(SCRIPTS / "train_localsgd.py"), [*TINY, *flags, "--data_cache_dir", data_cache, "--output_dir", str(out)]]
-        for (name, flags), out in zip(RUNS.items(), outs.values(), strict=True)
+        for name, flags in RUNS
+        for out in [outs[name]]
     ]
-    for name, result in zip(RUNS, run_in_turn(cases, 2, folder), strict=True):
+    for (name, _), result in zip(RUNS, run_in_turn(cases, 2, folder), strict=True):
         assert result["returncode"] == 0, f"{name}: exit {result['returncode']}\n{result['stderr']}"
     return outs
 
@@ -234,6 +244,47 @@ def test_resume_between_fusions_is_exact_with_the_outer_momentum(streaming_run, 
     assert (other / "checkpoints" / "step_5").is_dir()
 
 
+@K4_GROUP
+def test_overlapped_fusion_without_mix_lands_the_synchronous_fusion_tau_steps_later(runs):
+    """--overlap_steps 2 --overlap_mix 0: the fusion started at step 4 lands at 6 as exactly the model the synchronous
+    fusion gives at 4 (the 2 inner steps meanwhile are dropped); at 6 it is also the final model (the final fusion's
+    pseudo-gradient is 0, and without momentum the outer step stays)."""
+    synchronous, overlapped = runs["no_momentum_4"], runs["overlap_unmixed_6"]
+    a = load_file(str(synchronous / "model" / "model.safetensors"))
+    b = load_file(str(overlapped / "model" / "model.safetensors"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    train = {r["step"]: r for r in read_metrics(overlapped) if r["type"] == "train"}
+    assert [s for s, r in train.items() if r["fused"]] == [4] and train[6]["param_spread"] == 0.0
+    assert train[5]["param_spread"] > 0.0  # the all-reduce is in flight: the replicas go on alone
+
+
+@K4_GROUP
+def test_overlapped_fusion_mixes_and_resumes_exactly_from_a_fusion_in_flight(runs, tmp_path, data_cache):
+    """α = 0.5: after landing the replicas still differ (each keeps half of its own); the final model is one. The
+    step-5 checkpoint holds the fusion started at 4, arrived: the resumed run lands it at 6 as the straight run does.
+    On one process (a node lost) it lands at once, and the replica continues from the fusion of step 4."""
+    straight, resumed = runs["overlap"], runs["overlap_resumed"]
+    train = {r["step"]: r for r in read_metrics(straight) if r["type"] == "train"}
+    assert [s for s, r in train.items() if r["fused"]] == [4, 8]
+    assert all(r["param_spread"] > 0.0 for r in train.values())
+    assert [r for r in read_metrics(straight) if r.get("fused_model")][0]["param_spread"] == 0.0
+    summary = read_metrics(straight)[-1]
+    assert summary["fusions"] == 3 and summary["overlap_steps"] == 2 and summary["fusion_wait_s"] >= 0.0
+    assert_same_losses(train_losses(straight), train_losses(resumed), list(range(6, 11)), tol=1e-6)
+    a = load_file(str(straight / "model" / "model.safetensors"))
+    b = load_file(str(resumed / "model" / "model.safetensors"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    in_flight = torch.load(resumed / "checkpoints" / "step_5" / "extra_state.pt", weights_only=True)["in_flight"]
+    assert in_flight["fragment"] == 0 and in_flight["step"] == 4 and in_flight["mean"].abs().max() > 0
+    alone = tmp_path / "alone"
+    shutil.copytree(resumed / "checkpoints" / "step_5", alone / "checkpoints" / "step_5")
+    result = launch_tiny(
+        "train_localsgd.py", alone, data_cache, *OVERLAP, "--resume_from_checkpoint", "latest",
+        "--global_batch_size", "16", nproc=1,
+    )  # fmt: skip
+    assert "continues from the model of the last fusion (step 4), dropping the 1 local step" in result.stdout
+
+
 def assert_one_error(result, needle):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode != 0 and len(errors) == 1 and needle in errors[0], result.stderr[-2000:]
@@ -258,6 +309,12 @@ def test_bad_input(k4_run, tmp_path, data_cache):
         (["--outer_optimizer", "nesterov", "--outer_lr", "0"], "the outer learning rate must be above 0"),
         (["--outer_dtype", "bf16"], "--outer_dtype bf16 needs --outer_optimizer nesterov"),
         (["--sync_every", "3", "--fragments", "3"], "the model has 2 blocks"),
+        (
+            ["--outer_optimizer", "nesterov", "--sync_every", "4", "--overlap_steps", "5"],
+            "--overlap_steps 5 must be between 1 and",
+        ),
+        (["--overlap_steps", "2"], "with --outer_optimizer nesterov"),
+        (["--outer_optimizer", "nesterov", "--overlap_steps", "2", "--overlap_mix", "1"], "--overlap_mix 1.0 must be"),
     ]
     common = [*TINY, "--data_cache_dir", data_cache]
     cases = [
