@@ -17,12 +17,20 @@ One process a node (HSDP: 2, sharding inside the node), so that 2 nodes do not o
 run 4 processes on them (their compute is slower, their links as throttled). HSDP needs 2 processes a node: on
 4 nodes that is 8 processes on 2 cores, left out by default (--runs HSDP --nodes 4 runs it).
 
-Prints a table, writes benchmarks/results/slow_links.json and, with matplotlib (benchmarks/requirements.txt),
-benchmarks/results/slow_links.png. Needs root (network namespaces). About 45 minutes with the defaults on
-2 cores.
+Time to DDP's loss: with --diloco_steps the DiLoCo runs train longer than DDP, evaluated every 8 steps, and
+each is timed to its first evaluation within 2% of DDP's final validation loss (the training seconds until
+then, `train_s` in metrics.jsonl). The overlapped runs (--overlap_steps) land each fusion τ steps after it
+starts, whatever the link: their losses, like DDP's, are the same at every rate.
+
+Prints a table, writes benchmarks/results/<--out>.json and, with matplotlib (benchmarks/requirements.txt),
+benchmarks/results/<--out>.png. Needs root (network namespaces). About 45 minutes with the defaults on
+2 cores; the time-to-loss runs below about 25.
 
     sudo .venv/bin/python benchmarks/bench_slow_links.py [--nodes 2 4] [--steps 48] [--runs DDP "DiLoCo K=32"]
-    python benchmarks/bench_slow_links.py --report_only
+    sudo .venv/bin/python benchmarks/bench_slow_links.py --out slow_links_to_target --nodes 2 --rates 10mbit \
+        20mbit none --diloco_steps 96 --no_prediction --runs DDP "DiLoCo K=32" "DiLoCo K=32 overlap 24" \
+        "Streaming DiLoCo K=32 F=4 bf16 overlap 8"      # then --add with --nodes 4 --rates 10mbit none
+    python benchmarks/bench_slow_links.py --report_only [--out slow_links_to_target]
 """
 
 from __future__ import annotations
@@ -52,6 +60,13 @@ RUNS = {
         1,
         [*DILOCO, "--sync_every", "32", "--fragments", "4", "--outer_dtype", "bf16"],
     ),
+    # overlapped fusions: the all-reduce runs while the replicas take τ more steps (--overlap_steps)
+    "DiLoCo K=32 overlap 24": ("train_localsgd.py", 1, [*DILOCO, "--sync_every", "32", "--overlap_steps", "24"]),
+    "Streaming DiLoCo K=32 F=4 bf16 overlap 8": (
+        "train_localsgd.py",
+        1,
+        [*DILOCO, "--sync_every", "32", "--fragments", "4", "--outer_dtype", "bf16", "--overlap_steps", "8"],
+    ),
 }
 RATES = {2: ["10mbit", "20mbit", "100mbit", "1000mbit", "none"], 4: ["10mbit", "100mbit", "1000mbit", "none"]}
 PREDICTED_RATES = ["20mbit", "100mbit"]  # where plan_layout.py --network is checked (2 nodes, DDP and HSDP)
@@ -65,9 +80,11 @@ def mbit(rate: str) -> float | None:
 def run_flags(name: str, n_nodes: int, args) -> tuple[str, int, list[str]]:
     script, per_node, extra = RUNS[name]
     world = n_nodes * per_node
-    flags = ["--dataset", "pystdlib", "--model_size", "small", "--max_steps", str(args.steps), "--seed", "0"]
+    # DiLoCo may train longer than DDP (--diloco_steps): it is timed to the evaluation that reaches DDP's loss
+    steps, evals = (args.diloco_steps, "8") if script == "train_localsgd.py" else (args.steps, "0")
+    flags = ["--dataset", "pystdlib", "--model_size", "small", "--max_steps", str(steps), "--seed", "0"]
     flags += ["--batch_size", str(GLOBAL_BATCH // world), "--global_batch_size", str(GLOBAL_BATCH)]
-    flags += ["--warmup_steps", "8", "--log_every", "2", "--eval_every", "0", "--collective_timeout", "900", *extra]
+    flags += ["--warmup_steps", "8", "--log_every", "2", "--eval_every", evals, "--collective_timeout", "900", *extra]
     if name == "HSDP":
         flags += ["--dp_replicate", str(n_nodes)]
     return script, per_node, flags
@@ -95,6 +112,8 @@ def measure(name: str, n_nodes: int, rate: str, args, tmp: Path) -> dict:
         "tx_bytes_per_step_per_node": [n.tx_bytes / summary["steps"] for n in result.nodes],
         "wall_s": round(result.seconds, 1),
         "curve": [(r["elapsed_s"], r["loss"]) for r in records if r["type"] == "train"],
+        "evals": [(r["step"], r["train_s"], r["eval_loss"]) for r in records if r["type"] == "eval"],
+        "fusion_wait_s": summary.get("fusion_wait_s"),
     }
 
 
@@ -153,56 +172,81 @@ def predict(results: list[dict], tmp: Path) -> list[dict]:
     return rows
 
 
+def ddp_target(results: list[dict], nodes: int, rate: str) -> float | None:
+    """DDP's final validation loss on these nodes (the same at every rate: the same computation)."""
+    losses = {r["rate"]: r["final_eval_loss"] for r in results if r["name"] == "DDP" and r["nodes"] == nodes}
+    return losses.get(rate, losses.get("none"))
+
+
+def time_to_target(run: dict, target: float | None) -> tuple[int, float] | None:
+    """(step, training seconds) of the run's first evaluation within 2% of `target`; None if none is."""
+    reached = [(step, train_s) for step, train_s, loss in run.get("evals", []) if target and loss <= 1.02 * target]
+    return reached[0] if reached else None
+
+
 def goals(results: list[dict]) -> list[dict]:
-    """DiLoCo K=32 and DDP on 2 nodes at 10 and 20 Mbit/s against their own unthrottled runs."""
+    """DiLoCo K=32 (synchronous and overlapped) and DDP on 2 nodes at 10 and 20 Mbit/s against their own
+    unthrottled runs; the training seconds each takes to within 2% of DDP's final validation loss."""
     by = {(r["name"], r["nodes"], r["rate"]): r for r in results}
     rows = []
     for rate in ("10mbit", "20mbit"):
-        diloco, ddp = by.get(("DiLoCo K=32", 2, rate)), by.get(("DDP", 2, rate))
-        free, ddp_free = by.get(("DiLoCo K=32", 2, "none")), by.get(("DDP", 2, "none"))
-        if not (diloco and ddp and free and ddp_free):
-            continue
-        rows.append(
-            {
-                "rate": rate,
-                "diloco_k32_slowdown": round(diloco["step_s"] / free["step_s"], 3),
-                "diloco_k32_within_10pct": diloco["step_s"] <= 1.10 * free["step_s"],
-                "diloco_k32_loss_vs_ddp": round(diloco["final_eval_loss"] / ddp["final_eval_loss"] - 1, 4),
-                "diloco_k32_within_2pct": diloco["final_eval_loss"] <= 1.02 * ddp["final_eval_loss"],
-                "ddp_slowdown": round(ddp["step_s"] / ddp_free["step_s"], 3),
-            }
-        )
+        ddp, ddp_free = by.get(("DDP", 2, rate)), by.get(("DDP", 2, "none"))
+        for name in [n for n in RUNS if n.startswith("DiLoCo K=32")]:
+            diloco, free = by.get((name, 2, rate)), by.get((name, 2, "none"))
+            if not (diloco and ddp and free and ddp_free):
+                continue
+            target = ddp_target(results, 2, rate)
+            reached = time_to_target(diloco, target)
+            rows.append(
+                {
+                    "rate": rate,
+                    "run": name,
+                    "slowdown": round(diloco["step_s"] / free["step_s"], 3),
+                    "within_10pct": diloco["step_s"] <= 1.10 * free["step_s"],
+                    "final_loss_vs_ddp": round(diloco["final_eval_loss"] / target - 1, 4),
+                    "reaches_2pct_at_step": reached and reached[0],
+                    "seconds_to_2pct": reached and reached[1],
+                    "ddp_seconds": ddp["train_time_s"],
+                    "ddp_slowdown": round(ddp["step_s"] / ddp_free["step_s"], 3),
+                }
+            )
     return rows
 
 
 def report(data: dict) -> None:
     results = data["runs"]
-    ddp_loss = {(r["nodes"], r["rate"]): r["final_eval_loss"] for r in results if r["name"] == "DDP"}
-    print(f"\n{data['steps']} steps of {GLOBAL_BATCH} x 128 tokens, small on pystdlib\n")
+    longer = f", DiLoCo up to {data['diloco_steps']} (evaluated every 8)" if data.get("diloco_steps") else ""
+    print(f"\nDDP and HSDP {data['steps']} steps{longer}; {GLOBAL_BATCH} x 128 tokens a step, small on pystdlib\n")
     print(
         "| nodes | link | run | s/step | train s | to DDP's loss (2%) | final val loss | vs DDP | MB sent/step/node |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        target = ddp_loss.get((r["nodes"], r["rate"]))
+        target = ddp_target(results, r["nodes"], r["rate"])
         gap = r["final_eval_loss"] / target - 1 if target else None
-        reached = gap is not None and gap <= 0.02
+        reached = time_to_target(r, target) or (
+            (r["steps"], r["train_time_s"]) if gap is not None and gap <= 0.02 else None
+        )
         sent = max(r["tx_bytes_per_step_per_node"]) / 1e6
-        to_target = f"{r['train_time_s']:.1f} s" if reached else "not reached"
+        to_target = f"{reached[1]:.1f} s (step {reached[0]})" if reached else "not reached"
         print(
             f"| {r['nodes']} | {r['rate']} | {r['name']} | {r['step_s']:.3f} | {r['train_time_s']:.1f} | "
             f"{to_target} | {r['final_eval_loss']:.4f} | "
             f"{'' if gap is None else f'{gap:+.2%}'} | {sent:.3f} |"
         )
-    if data.get("goals"):
+    if data.get("goals") and "run" in data["goals"][0]:
         print(
-            "\n| 2 nodes | DiLoCo K=32 vs its unthrottled step | within 10% | loss vs DDP | within 2% | DDP slowdown |"
+            "\n| 2 nodes | run | vs its unthrottled step | within 10% | final loss vs DDP | to DDP's loss (2%) "
+            "| DDP's time | DDP slowdown |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for g in data["goals"]:
+            reached = (
+                f"{g['seconds_to_2pct']:.1f} s (step {g['reaches_2pct_at_step']})" if g["seconds_to_2pct"] else "no"
+            )
             print(
-                f"| {g['rate']} | {g['diloco_k32_slowdown']:.3f}x | {g['diloco_k32_within_10pct']} | "
-                f"{g['diloco_k32_loss_vs_ddp']:+.2%} | {g['diloco_k32_within_2pct']} | {g['ddp_slowdown']:.1f}x |"
+                f"| {g['rate']} | {g['run']} | {g['slowdown']:.3f}x | {g['within_10pct']} | "
+                f"{g['final_loss_vs_ddp']:+.2%} | {reached} | {g['ddp_seconds']:.1f} s | {g['ddp_slowdown']:.1f}x |"
             )
     if data.get("predictions"):
         print(
@@ -218,7 +262,7 @@ def report(data: dict) -> None:
             )
 
 
-def plot(data: dict) -> None:
+def plot(data: dict, name: str) -> None:
     try:
         import matplotlib
 
@@ -241,25 +285,31 @@ def plot(data: dict) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "slow_links.png", dpi=110)
-    print(f"plot: {RESULTS / 'slow_links.png'}")
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
+    print(f"plot: {RESULTS / f'{name}.png'}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="machines (namespaces): 2, 4")
-    p.add_argument("--steps", type=int, default=48, help="optimizer steps of every run")
+    p.add_argument("--steps", type=int, default=48, help="optimizer steps of DDP and HSDP")
+    p.add_argument(
+        "--diloco_steps", type=int, help="optimizer steps of the DiLoCo runs, evaluated every 8 (default: --steps)"
+    )
     p.add_argument("--runs", nargs="+", choices=list(RUNS), help="only these runs (default: all; HSDP on 2 nodes)")
     p.add_argument("--rates", nargs="+", help="only these link rates (e.g. 20mbit none)")
     p.add_argument("--no_prediction", action="store_true", help="skip preflight.py and plan_layout.py's prediction")
+    p.add_argument("--out", default="slow_links", help="results file name in benchmarks/results/ (no suffix)")
+    p.add_argument("--add", action="store_true", help="keep the other runs already in the results file")
     p.add_argument("--report_only", action="store_true", help="print the table of benchmarks/results/slow_links.json")
     p.add_argument("--predict_only", action="store_true", help="only the predictions, for the runs in slow_links.json")
     args = p.parse_args()
-    path = RESULTS / "slow_links.json"
+    args.diloco_steps = args.diloco_steps or args.steps
+    path = RESULTS / f"{args.out}.json"
     if args.report_only:
         data = json.loads(path.read_text())
         report(data)
-        plot(data)
+        plot(data, args.out)
         return 0
     reason = local_nodes.unavailable_reason()
     if reason:
@@ -287,12 +337,21 @@ def main() -> int:
                         flush=True,
                     )
         predictions = [] if args.no_prediction or 2 not in args.nodes else predict(results, Path(tmp))
-    data = {"steps": args.steps, "global_batch": GLOBAL_BATCH, "runs": results, "goals": goals(results)}
+    if args.add and path.is_file():  # the runs measured before, but not again now
+        again = {(r["name"], r["nodes"], r["rate"]) for r in results}
+        kept = [r for r in json.loads(path.read_text())["runs"] if (r["name"], r["nodes"], r["rate"]) not in again]
+        order = {"rate": RATES[2], "name": list(RUNS)}  # nodes, then rate, then run, as measured
+        results = sorted(
+            kept + results,
+            key=lambda r: (r["nodes"], order["rate"].index(r["rate"]), order["name"].index(r["name"])),
+        )
+    data = {"steps": args.steps, "diloco_steps": args.diloco_steps, "global_batch": GLOBAL_BATCH, "runs": results}
+    data["goals"] = goals(results)
     data["predictions"] = predictions
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
     report(data)
-    plot(data)
+    plot(data, args.out)
     print(f"\nresults: {path}")
     return 0
 

@@ -83,8 +83,7 @@ class RunMonitor:
         accelerator.init_trackers(name, config=config)  # Accelerate: trackers (--report_to)
         self.bar = self.layout = self.throughput = None  # start() makes them
         self.first_step_collectives = None  # collectives() fills it; the summary reports it
-        self._logged = False
-        self.run_start = time.perf_counter()
+        self._logged, self.run_start = False, time.perf_counter()
         self.step, self._stretch_start = start_step, None
 
     def start(
@@ -173,7 +172,7 @@ class RunMonitor:
         self._logged = True
         record = {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}
         record |= {"global_batch_size": self.global_batch_size, "world_size": self.world_size, "epoch": self.feed.epoch}
-        record |= {"elapsed_s": self.elapsed(), **layout, **resumed, **extra}  # elapsed: plot any run against time
+        record |= {**self.clock(), **layout, **resumed, **extra}  # plot any run against time
         record |= self.throughput.report(self.world_size)
         self.metrics.write(record)
         self.accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=step)  # Accelerate
@@ -182,7 +181,7 @@ class RunMonitor:
         return record
 
     def eval(self, step: int, result: dict, **extra) -> None:
-        self.metrics.write({"type": "eval", "step": step, **extra, **result, "elapsed_s": self.elapsed()})
+        self.metrics.write({"type": "eval", "step": step, **extra, **result, **self.clock()})
         self.accelerator.log({k: v for k, v in result.items() if k != "num_samples"}, step=step)
         figures = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
         self.write(f"step {step}: {figures}")  # 4 digits; metrics.jsonl keeps them all
@@ -192,8 +191,9 @@ class RunMonitor:
         if self.accelerator.is_main_process:
             self.bar.write(line)
 
-    def elapsed(self) -> float:
-        return round(time.perf_counter() - self.run_start, 2)
+    def clock(self) -> dict:  # seconds since the start, and training seconds (the steps alone) so far
+        elapsed, trained = time.perf_counter() - self.run_start, self.throughput.total[1]
+        return {"elapsed_s": round(elapsed, 2), "train_s": round(trained, 2)}
 
     def summary(self, step: int, preempted: bool = False, **figures) -> dict:
         """The run's last record; prints it with where the model (or the checkpoint) is."""
@@ -205,9 +205,9 @@ class RunMonitor:
             figures["collectives_first_step_rank0"] = self.first_step_collectives
         if self.args.compile:  # how many graphs torch.compile made (0: it compiled nothing)
             figures["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        summary = {"type": "summary", "steps": step - self.start_step, "final_step": step, "time_s": self.elapsed()}
-        summary |= {**self.throughput.summary(self.world_size), "global_batch_size": self.global_batch_size}
-        summary |= {"world_size": self.world_size, **figures}
+        summary = {"type": "summary", "steps": step - self.start_step, "final_step": step}
+        summary |= {"time_s": self.clock()["elapsed_s"], **self.throughput.summary(self.world_size)}
+        summary |= {"global_batch_size": self.global_batch_size, "world_size": self.world_size, **figures}
         self.metrics.write(summary)
         if step == self.args.max_steps:
             saved = f"model saved to {Path(self.args.output_dir) / 'model'}"
