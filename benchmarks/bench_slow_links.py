@@ -112,6 +112,7 @@ def measure(name: str, n_nodes: int, rate: str, args, tmp: Path) -> dict:
         "tx_bytes_per_step_per_node": [n.tx_bytes / summary["steps"] for n in result.nodes],
         "wall_s": round(result.seconds, 1),
         "curve": [(r["elapsed_s"], r["loss"]) for r in records if r["type"] == "train"],
+        "train_curve": [(r["step"], r["train_s"], r["loss"]) for r in records if r["type"] == "train"],
         "evals": [(r["step"], r["train_s"], r["eval_loss"]) for r in records if r["type"] == "eval"],
         "fusion_wait_s": summary.get("fusion_wait_s"),
     }
@@ -262,6 +263,23 @@ def report(data: dict) -> None:
             )
 
 
+def training_seconds(run: dict) -> list[tuple[float, float]] | None:
+    """(training seconds, train loss) of a run: its train records' `train_s`; for results measured before they
+    were kept, interpolated by step between the evaluations' (records every 2 steps). None for a run that
+    stopped only for its last evaluation: its wall-clock is training time."""
+    if run.get("train_curve"):
+        return [(seconds, loss) for _, seconds, loss in run["train_curve"]]
+    known = [(0, 0.0)] + [(step, seconds) for step, seconds, _ in run.get("evals", [])]
+    if len(known) < 3:
+        return None
+    steps = [2 * (i + 1) for i in range(len(run["curve"]))]
+    seconds = [
+        next(t0 + (t1 - t0) * (s - s0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(known, known[1:]) if s <= s1)
+        for s in steps
+    ]
+    return [(t, loss) for t, (_, loss) in zip(seconds, run["curve"], strict=True)]
+
+
 def plot(data: dict, name: str) -> None:
     try:
         import matplotlib
@@ -273,13 +291,15 @@ def plot(data: dict, name: str) -> None:
         return
     shown = [(2, "10mbit"), (2, "none"), (4, "10mbit")]
     fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), sharey=True)
+    # runs evaluated along the way are drawn against training seconds (the evaluations left out), as all
+    evaluated = any(training_seconds(r) for r in data["runs"])
     for ax, (n_nodes, rate) in zip(axes, shown, strict=True):
         for r in data["runs"]:
             if r["nodes"] == n_nodes and r["rate"] == rate and r["curve"]:
-                seconds, losses = zip(*r["curve"], strict=True)
+                seconds, losses = zip(*(training_seconds(r) or r["curve"]), strict=True)
                 ax.plot(seconds, losses, label=r["name"], color=f"C{list(RUNS).index(r['name'])}")  # one colour a run
         ax.set_title(f"{n_nodes} nodes, link {rate if rate != 'none' else 'unthrottled'}")
-        ax.set_xlabel("wall-clock seconds since the start of training")
+        ax.set_xlabel("training seconds (evaluations left out)" if evaluated else "wall-clock seconds of training")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("train loss")
     for ax in axes:
@@ -338,8 +358,10 @@ def main() -> int:
                     )
         predictions = [] if args.no_prediction or 2 not in args.nodes else predict(results, Path(tmp))
     if args.add and path.is_file():  # the runs measured before, but not again now
+        before = json.loads(path.read_text())
+        predictions = predictions or before.get("predictions", [])
         again = {(r["name"], r["nodes"], r["rate"]) for r in results}
-        kept = [r for r in json.loads(path.read_text())["runs"] if (r["name"], r["nodes"], r["rate"]) not in again]
+        kept = [r for r in before["runs"] if (r["name"], r["nodes"], r["rate"]) not in again]
         order = {"rate": RATES[2], "name": list(RUNS)}  # nodes, then rate, then run, as measured
         results = sorted(
             kept + results,
