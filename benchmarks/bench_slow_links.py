@@ -24,7 +24,7 @@ starts, whatever the link: their losses, like DDP's, are the same at every rate.
 
 Prints a table, writes benchmarks/results/<--out>.json and, with matplotlib (benchmarks/requirements.txt),
 benchmarks/results/<--out>.png. Needs root (network namespaces). About 45 minutes with the defaults on
-2 cores; the time-to-loss runs below about 25.
+2 cores; the time-to-loss runs below 37 on 2 nodes, then 25 on 4.
 
     sudo .venv/bin/python benchmarks/bench_slow_links.py [--nodes 2 4] [--steps 48] [--runs DDP "DiLoCo K=32"]
     sudo .venv/bin/python benchmarks/bench_slow_links.py --out slow_links_to_target --nodes 2 --rates 10mbit \
@@ -321,8 +321,8 @@ def main() -> int:
     p.add_argument("--no_prediction", action="store_true", help="skip preflight.py and plan_layout.py's prediction")
     p.add_argument("--out", default="slow_links", help="results file name in benchmarks/results/ (no suffix)")
     p.add_argument("--add", action="store_true", help="keep the other runs already in the results file")
-    p.add_argument("--report_only", action="store_true", help="print the table of benchmarks/results/slow_links.json")
-    p.add_argument("--predict_only", action="store_true", help="only the predictions, for the runs in slow_links.json")
+    p.add_argument("--report_only", action="store_true", help="print the table of the results file (--out)")
+    p.add_argument("--predict_only", action="store_true", help="only the predictions, for the runs in the results file")
     args = p.parse_args()
     args.diloco_steps = args.diloco_steps or args.steps
     path = RESULTS / f"{args.out}.json"

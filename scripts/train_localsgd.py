@@ -123,8 +123,10 @@ class ReplicaSync:
     Every rank computes the same outer step from the same mean Δ, so θ_last and the outer momentum
     are the same everywhere: state_dict() is saved once, by the main process."""
 
-    def __init__(self, model, fragments, sync_every, dp_size, outer, overlap_steps=0, overlap_mix=0.0):
-        outer_optimizer, outer_lr, outer_momentum, outer_dtype = outer
+    def __init__(
+        self, model, fragments, sync_every, dp_size, outer_optimizer, outer_lr, outer_momentum, outer_dtype,
+        overlap_steps=0, overlap_mix=0.0,
+    ):  # fmt: skip
         self.fragments, self.sync_every, self.dp_size = fragments, sync_every, dp_size
         self.model = model  # its BatchNorm statistics are averaged with the last fragment (not outer-stepped)
         self.compared = [*fragments[:-1], fragments[-1] + running_stats(model)]  # what the spread compares
@@ -533,13 +535,15 @@ def main():
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     no_sync = accelerator.no_sync(model)  # Local SGD: DDP never all-reduces the gradients from here on
     no_sync.__enter__()
-    outer_dtype = torch.bfloat16 if args.outer_dtype == "bf16" else torch.float32
     replica_sync = ReplicaSync(  # DiLoCo: after prepare, so θ_last is taken from the parameters every rank starts from
         model,
         fragments,
         args.sync_every,
         dp_size,
-        (args.outer_optimizer, args.outer_lr, args.outer_momentum, outer_dtype),
+        args.outer_optimizer,
+        args.outer_lr,
+        args.outer_momentum,
+        torch.bfloat16 if args.outer_dtype == "bf16" else torch.float32,
         args.overlap_steps,  # DiLoCo: the inner steps a fusion's all-reduce overlaps
         args.overlap_mix,
     )
