@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 
 import torch
-from accelerate.utils import gather_object, send_to_device, slice_tensors
+from accelerate.utils import gather_object, recursively_apply, send_to_device, slice_tensors
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Subset
 
@@ -40,11 +40,7 @@ def evaluate(accelerator, model, task, validation, batch_size: int, layout=None,
         real = min(batch_size, len(my_samples) - i * batch_size)  # the rest of the batch is padding
         if outputs is None or not adds_sums or real <= 0:
             continue
-        outputs = getattr(outputs, "logits", outputs)  # a 🤗 output object: Task.eval_sums gets its logits
-        scored = slice(0, real)
-        for key, value in task.eval_sums(
-            slice_tensors(outputs, scored), slice_tensors(task.targets(batch), scored)
-        ).items():
+        for key, value in scored_sums(task, outputs, task.targets(batch), real).items():
             sums[key] += float(value)
         sums["samples"] += real
     model.train(was_training)
@@ -55,6 +51,14 @@ def evaluate(accelerator, model, task, validation, batch_size: int, layout=None,
         k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in task.eval_metrics(sums).items()
     }
     return {"eval_loss": metrics.pop("eval_loss", None), "num_samples": int(sums["samples"]), **metrics}
+
+
+def scored_sums(task, outputs, targets, n: int) -> dict:
+    """Task.eval_sums of a batch's first n samples: the outputs cut along Task.sample_dim (1: time-major, (T, B,
+    ...)), the targets (collated rows) along 0. check_task_contract cuts the same way before step 1."""
+    outputs = getattr(outputs, "logits", outputs)  # a 🤗 output object: Task.eval_sums gets its logits
+    outputs = recursively_apply(lambda t: t.narrow(task.sample_dim, 0, n), outputs)
+    return task.eval_sums(outputs, slice_tensors(targets, slice(0, n)))
 
 
 def full_outputs(outputs):

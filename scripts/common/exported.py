@@ -105,7 +105,9 @@ def import_task_class(spec: str, named_by: str):
 
 def load_own_model(model_dir: Path, spec: str, named_by: str):
     """A model of the user's own, rebuilt by its Task: `Task()` (no arguments), then
-    `task.build_model(config)` with model/config.json, then model.safetensors loaded strictly."""
+    `task.build_model(config)` with model/config.json, then model.safetensors loaded strictly; tied weights,
+    saved once (common/task.py, write_model_dir), are one tensor again."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     cls = import_task_class(spec, named_by)
@@ -135,6 +137,9 @@ def load_own_model(model_dir: Path, spec: str, named_by: str):
             f"{named_by}: {cls.__name__}.build_model(config) returned a {type(model).__name__}, not an nn.Module"
         )
     saved = load_file(str(model_dir / "model.safetensors"))
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as file:
+        tied = json.loads((file.metadata() or {}).get("tied", "{}"))  # {name: the name its tensor was saved under}
+    saved |= {name: saved[twin] for name, twin in tied.items() if twin in saved}
     expected = model.state_dict()
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
@@ -155,6 +160,11 @@ def load_own_model(model_dir: Path, spec: str, named_by: str):
             "(what Task.config() wrote)"
         )
     model.load_state_dict(saved, strict=True)
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    for name, twin in tied.items():  # tied in training: tied again, whether build_model ties them or not
+        if name in parameters and twin in parameters:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, parameters[twin])
     return model, task
 
 

@@ -8,12 +8,13 @@ the model and a `Task`; nothing else assumes which model is trained (docs/your-m
     count_targets(batch)          a micro-batch's targets, before the forward (the divisor of the step's loss)
     loss(outputs, targets)        (loss_sum, n_targets): a SUM (backward, the logged loss)
     eval_sums / eval_metrics      sums over a batch / the reported figures, with eval_loss (evaluation)
+    sample_dim                    the outputs' dimension that holds the samples: 0, or 1 if time-major (T, B, ...)
     describe / tokens_per_sample  the banner's line / tokens in a sample, or None (samples/s)
     export(state_dict, dir)       writes the final model (OUTPUT_DIR/model)
     set_attention / forward_at    context parallelism: an attention function; a forward at given positions
 
-`check_task_contract` runs every method once before step 1: a mistake is one line. A causal LM's Task
-is `CausalLMTask` (common/causal_lm.py).
+`check_task_contract` runs every method, the evaluation's cut and a trial export once before step 1: a
+mistake is one line. A causal LM's Task is `CausalLMTask` (common/causal_lm.py).
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from accelerate.utils import send_to_device, slice_tensors
+from accelerate.utils import gather_object, send_to_device, slice_tensors
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import default_collate
 
 from .errors import UsageError
-from .evaluation import full_outputs
+from .evaluation import full_outputs, scored_sums
 
 
 class Task:
@@ -39,6 +42,7 @@ class Task:
     name = "task"
     tokens_per_sample: int | None = None  # None: throughput in samples/s only
     units_path = "blocks"  # where the repeated units are (for the error that names what the model has)
+    sample_dim = 0  # the outputs' dimension of the samples: evaluation cuts off its padding there (1: time-major)
 
     def units(self, model: nn.Module):
         return find_units(model, self.units_path)
@@ -132,14 +136,22 @@ def _submodule(model: nn.Module, path: str, what: str) -> nn.Module:
 
 
 def write_model_dir(state_dict: dict, config: dict, data_source: dict, model_dir) -> None:
-    """One process: a full state dict as `model_dir/` (safetensors, config, data), renamed into place."""
+    """One process: a full state dict as `model_dir/` (safetensors, config, data), renamed into place. Tied
+    weights (one tensor under two names) are saved once, the ties in the file's metadata (exported.py re-ties)."""
     from safetensors.torch import save_file
 
     model_dir = Path(model_dir)
     tmp = model_dir.with_name(f".tmp_{model_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / "model.safetensors"))
+    first, saved, tied = {}, {}, {}  # safetensors refuses tensors that share memory
+    for name, v in state_dict.items():
+        same = (v.data_ptr(), v.dtype, v.shape, v.stride()) if v.numel() else name
+        tied[name] = first.setdefault(same, name)
+        if tied[name] == name:
+            saved[name] = v.contiguous()
+    tied = {name: twin for name, twin in tied.items() if name != twin}
+    save_file(saved, str(tmp / "model.safetensors"), {"tied": json.dumps(tied)} if tied else None)
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     (tmp / "data.json").write_text(json.dumps(data_source, indent=1))
     replace_dir(tmp, model_dir)
@@ -204,7 +216,10 @@ def check_task_contract(task: Task, model: nn.Module, validation, device, contex
     """Every rank, before step 1: each Task method once on 4 validation samples, so a mistake is one
     `error:` line naming the method, what it returned and what was expected. The most silent one is a
     loss returned as a MEAN (the script divides by the target count again): the loss of 4 samples must
-    equal its two halves' added, and cover Task.count_targets' targets."""
+    equal its two halves' added, and cover Task.count_targets' targets. Then what would fail after training:
+    evaluation's cut (2 samples' outputs cut from 4's along Task.sample_dim must score as those 2 alone) and
+    a trial export."""
+    trial_export(task, model)
     if len(validation) < 4:
         return
     batch = send_to_device(default_collate([validation[i] for i in range(4)]), device)
@@ -225,8 +240,9 @@ def check_task_contract(task: Task, model: nn.Module, validation, device, contex
             raise _contract_error("loss", pair, "a pair (loss_sum, n_targets) of numbers: the loss SUMMED")
         whole, n_whole = (_float(v) for v in pair)
         halves = [[_float(v) for v in task.loss_of(model, slice_tensors(batch, slice(a, a + 2)))] for a in (0, 2)]
-        outputs = full_outputs(model(*inputs))  # loss parallel: vocabulary-sharded logits made whole, as evaluate does
-        sums = _call(task, "eval_sums", outputs, task.targets(batch))
+        sums = _scored(task, full_outputs(model(*inputs)), task.targets(batch))  # cut from 4 samples' outputs
+        half = slice_tensors(batch, slice(0, 2))
+        alone = _scored(task, full_outputs(model(*task.inputs(half))), task.targets(half))  # those 2 on their own
         task.check(model, batch)
     model.train(was_training)
     for module in model.modules():  # FSDP keeps a root gathered after forward: shard it again
@@ -248,9 +264,55 @@ def check_task_contract(task: Task, model: nn.Module, validation, device, contex
         )
     if not (isinstance(sums, dict) and all(_is_number(v) for v in sums.values())):
         raise _contract_error("eval_sums", sums, "a dict of numbers, sums over the batch (added over batches, ranks)")
-    metrics = _call(task, "eval_metrics", {k: _float(v) for k, v in sums.items()} | {"samples": 4.0})
+    for key, cut, own in ((k, _float(v), _float(alone[k])) for k, v in sums.items() if _is_real(v)):
+        if abs(cut - own) > 1e-3 * max(abs(cut), abs(own), 1e-6) + 1e-4:  # counts may flip an argmax: not compared
+            raise UsageError(
+                f"evaluation cuts the outputs' samples along dimension {task.sample_dim} (Task.sample_dim), but they "
+                f"are not there: Task.eval_sums' {key!r} of 2 samples is {cut:.6g} cut from 4 samples' outputs, "
+                f"{own:.6g} from theirs alone. Time-major outputs (T, B, ...) need sample_dim = 1; {CONTRACT}"
+            )
+    metrics = _call(task, "eval_metrics", {k: _float(v) for k, v in sums.items()} | {"samples": 2.0})
     if not isinstance(metrics, dict) or not _is_number(metrics.get("eval_loss")):
         raise _contract_error("eval_metrics", metrics, "a dict of the reported figures, with 'eval_loss' a number")
+
+
+def _scored(task: Task, outputs, targets) -> dict:
+    """Task.eval_sums of the first 2 samples, cut from the outputs as evaluation cuts off its padding."""
+    try:
+        return scored_sums(task, outputs, targets, 2)
+    except (UsageError, torch.distributed.DistBackendError):
+        raise
+    except Exception as e:
+        raise UsageError(
+            f"Task.eval_sums raised {type(e).__name__} on 2 samples cut from 4 validation samples' outputs along "
+            f"dimension {task.sample_dim} (Task.sample_dim), as evaluation cuts off its padding: "
+            f"{str(e).splitlines()[0].rstrip('.') if str(e) else ''}; time-major outputs (T, B, ...) need "
+            f"sample_dim = 1; {CONTRACT}"
+        ) from None
+
+
+def trial_export(task: Task, model: nn.Module) -> None:
+    """Every rank, before step 1 (the gather is a collective): the model as built, exported the run's way
+    (Task.export) into a temporary folder, then deleted: an export that would fail after training fails now."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error = None
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # the main process writes
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                task.export(state, Path(tmp) / "model", {})
+        except Exception as e:
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    error = next((e for e in gather_object([error]) if e), None)  # every rank stops, not the main one alone
+    if error:
+        raise UsageError(
+            f"a trial export before step 1 (Task.export of the model as built, into a temporary folder) raised "
+            f"{error}: the run's export would fail so after training; fix Task.export in the script's MODEL "
+            "section (docs/your-model.md)"
+        )
+
+
+def _is_real(value) -> bool:  # not a count
+    return isinstance(value, float) or (isinstance(value, torch.Tensor) and value.is_floating_point())
 
 
 def _float(value) -> float:
