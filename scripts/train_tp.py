@@ -67,6 +67,7 @@ from common.metrics import RunMonitor
 from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_task_contract
+from common.tied import check_tp_keeps_ties
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 
 
@@ -505,6 +506,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict) -> None:
     """parallelize_module swaps each weight the plan names for a DTensor shard over `tp_mesh` (a 1-D mesh)
     and adds the f/g collectives as hooks. `plan`: {module name: style}, the MODEL section's (model_tp_plan),
     checked with check_tp_plan first."""
+    check_tp_keeps_ties(model, plan)  # a tied weight the plan cuts would train untied: one line instead
     parallelize_module(model, tp_mesh, plan)
 
 
