@@ -35,6 +35,17 @@ DIGITS_MODEL = """    from digits import DigitsCNN, DigitsTask
 
     model, task = DigitsCNN(), DigitsTask()
 """
+# the third, a GRU language model (word_language_model's RNNModel): its diffs are labelled gru/<script>
+GRU_SCRIPTS = ("train_ddp.py", "train_fsdp.py")
+GRU_DATA = """    from rnn_lm import text_data  # your data, model and Task: rnn_lm.py, beside this copy
+
+    data = text_data()
+"""
+GRU_MODEL = """    from rnn_lm import RNNLMTask, RNNModel
+
+    model, task = RNNModel(), RNNLMTask()
+"""
+EXAMPLES = (("digits", DIGITS_SCRIPTS, DIGITS_DATA, DIGITS_MODEL), ("gru", GRU_SCRIPTS, GRU_DATA, GRU_MODEL))
 
 DATA = """    from types import SimpleNamespace
 
@@ -160,11 +171,11 @@ def main() -> None:
                 )
                 texts[lang] = re.sub(rf"^\| `{re.escape(script)}` \|.*$", lambda _: row, texts[lang], flags=re.M)
                 rows[(lang, script)] = row
-        for script in DIGITS_SCRIPTS:  # the CNN classifier's copies: data and MODEL sections only
-            original = (SCRIPTS / script).read_text(encoding="utf-8")
-            copy = Path(tmp) / f"digits_{script}"
-            copy.write_text(edit(script, original, DIGITS_DATA, DIGITS_MODEL), encoding="utf-8")
-            label = f"digits/{script}"
+        for example, script, data, model in ((e, s, d, m) for e, scripts, d, m in EXAMPLES for s in scripts):
+            original = (SCRIPTS / script).read_text(encoding="utf-8")  # the CNN's, the GRU's: data and MODEL only
+            copy = Path(tmp) / f"{example}_{script}"
+            copy.write_text(edit(script, original, data, model), encoding="utf-8")
+            label = f"{example}/{script}"
             diff = subprocess.run(
                 ["diff", "-u", "--label", label, "--label", label, str(SCRIPTS / script), str(copy)],
                 capture_output=True,
@@ -185,7 +196,7 @@ def main() -> None:
                     texts[lang],
                     flags=re.M,
                 )
-            rows[("digits", script)] = f"{label}: {len(original.splitlines())} lines, +{added} −{removed} {per}"
+            rows[(example, script)] = f"{label}: {len(original.splitlines())} lines, +{added} −{removed} {per}"
     for lang, path in PAGES.items():
         for name, n in common.items():
             texts[lang] = re.sub(
