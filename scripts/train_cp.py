@@ -855,6 +855,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
+    feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
     predict = whole_sequence_predict(model, task, attention, layout)  # CP: evaluation reads whole sequences
     monitor = RunMonitor(accelerator, args, "train_cp", feed, layout.world_size, global_batch_size)
     cp_line, ring_formula = cp_start_line(layout, args, task.tokens_per_sample, kv_shape, args.cp_impl)  # CP: bytes

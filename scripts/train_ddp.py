@@ -140,6 +140,7 @@ def main():
         progress,
         task.count_targets,
     )
+    feed.seed_dropout(args.seed)  # dropout: each data-parallel rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_ddp", feed, dp_size, global_batch_size)
     allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
     ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB"

@@ -383,6 +383,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
+    feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_ep", feed, layout.world_size, global_batch_size)
     ep_line = ep_start_line(expert_modules[0].down_proj.shape[0], ep_size, dp_size)  # EP: the experts per rank
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)

@@ -203,6 +203,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
+    feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_fsdp", feed, layout.world_size, global_batch_size)
     fsdp_line = f"FSDP over {layout.dp_replicate} x {layout.dp_shard} ranks (replicas x shards)"
     fsdp_line += "" if len(units) else "; the Task names no units: the whole model is one FSDP unit"

@@ -270,6 +270,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
+    feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_hybrid", feed, layout.world_size, global_batch_size)
     applied = (
         ("pipeline split", layout.pp > 1),

@@ -563,6 +563,7 @@ def main():
         progress,
         task.count_targets,
     )
+    feed.seed_dropout(args.seed)  # dropout: each data-parallel rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_localsgd", feed, dp_size, global_batch_size)
     ddp_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # DDP: fp32 gradients, every step
     method = "DiLoCo" if args.outer_optimizer == "nesterov" else "Local SGD"

@@ -534,6 +534,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
+    feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_pp", feed, layout.world_size, global_batch_size)
     pp_lines = pipeline_start_lines(layout, n_units, args)  # PP: the stages, the schedule, the bubble in theory
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)

@@ -729,6 +729,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
+    feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_tp", feed, layout.world_size, global_batch_size)
     tp_lines, megatron = tp_start_lines(model, plan, layout, args, task.tokens_per_sample or 1)  # TP: what it splits
     tp_lines += ["each rank made only its shards of the weights (built on meta)"] if on_meta and plan else []  # TP

@@ -1,5 +1,5 @@
-"""Pieces of a training run that every strategy shares: --compile of the units, the optimizer, the
-LR schedule, and the endless stream of micro-batches with a resumable, layout-free data position."""
+"""Pieces of a training run that every strategy shares: --compile of the units, the optimizer, the LR schedule,
+and the endless stream of micro-batches with a resumable, layout-free data position and dropout seeds."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import signal
 import threading
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -95,6 +96,7 @@ class StepFeed:
         self.step = progress["step"]  # steps handed out so far: named if a peer is lost (RunPosition)
         self.samples_per_epoch = len(sampler)  # a whole number of global batches
         self.dp_group = dp_group  # None: all processes are data-parallel ranks
+        self.dropout_stream = None  # [seed, stream]: set by seed_dropout
         # SIGTERM (what SLURM and Kubernetes send before a kill) or Ctrl-C on any rank asks the run to stop
         self.stop_requested = self.preempted = False
         signals = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
@@ -145,10 +147,21 @@ class StepFeed:
         RunPosition.waiting = None
         self.preempted = bool(stop.item() > 0)  # the same on every rank: this is the last step
         self._next = self._fetch()  # the next step's count travels while this step computes
+        if self.dropout_stream:  # after the fetch above (a loader it starts draws); SeedSequence: no collisions
+            torch.manual_seed(int(np.random.SeedSequence([*self.dropout_stream, self.step]).generate_state(1, "u8")[0]))
         self.samples_in_epoch += self.global_batch_size
         if self.samples_in_epoch == self.samples_per_epoch:
             self.epoch, self.samples_in_epoch = self.epoch + 1, 0
         return micro_batches, count
+
+    def seed_dropout(self, seed: int, layout=None) -> None:
+        """Each step then seeds torch's generators from (seed, stream, step): a resume draws the straight run's masks
+        whatever drew in between (a loader started, a check's forward). A stream per data-parallel rank, pipeline
+        stage and CP rank; a TP group shares one (its replicated activations must be dropped alike)."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.dropout_stream = [seed % 2**64, rank // layout.tp if layout else rank]  # tp: the innermost mesh dim
+        if layout and layout.mesh.device_type != "cpu":  # else DTensor's first dropout broadcasts rank 0's state
+            torch.distributed.tensor._random.manual_seed(seed, layout.sub("tp"))  # to all: its tracker, without that
 
     def close(self) -> None:
         """Wait for the count started ahead (before teardown); give SIGTERM and SIGINT their handlers back."""
