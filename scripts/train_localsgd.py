@@ -135,6 +135,7 @@ class ReplicaSync:
         self.outer_optimizer, self.outer_dtype = outer_optimizer, outer_dtype
         self.settings = {"outer_optimizer": outer_optimizer, "sync_every": sync_every, "fragments": len(fragments)}
         self.settings["overlap_steps"] = overlap_steps
+        self.settings["overlap_mix"] = overlap_mix if overlap_steps else None  # α only mixes an overlapped fusion
         self.offsets = [f * sync_every // len(fragments) for f in range(len(fragments))]
         self.last_fused = [0] * len(fragments)  # the step of each fragment's last fusion
         self.fusions = [0] * len(fragments)  # this run's fusions of each fragment
@@ -256,7 +257,7 @@ class ReplicaSync:
     def load_state_dict(self, state: dict | None, path) -> None:
         """Restores θ_last and the outer momentum; refuses a checkpoint of other fusion settings."""
         saved = (state or {}).get("settings", {"outer_optimizer": "average", "sync_every": None, "fragments": 1})
-        saved = {"overlap_steps": 0, **saved}
+        saved = {"overlap_steps": 0, "overlap_mix": None, **saved}  # older checkpoints record no α
         differ = [k for k in self.settings if saved[k] is not None and saved[k] != self.settings[k]]
         if differ:
             flags = ", ".join(f"--{k} {saved[k]}" for k in differ)

@@ -432,6 +432,18 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
+def refusal(args) -> str | None:
+    """What is wrong with the command, checked before any namespace is made (else torchrun on every node fails
+    with its own traceback, and this script exits != 0 without a line), or None."""
+    if not args.script:
+        return "the training script is missing: give it after the flags, e.g. scripts/train_ddp.py"
+    if not Path(args.script).is_file():
+        return f"{args.script}: no such training script (give its path, e.g. scripts/train_ddp.py)"
+    if args.nodes < 1 or args.nproc_per_node < 1:
+        return f"--nodes {args.nodes} --nproc_per_node {args.nproc_per_node}: each must be at least 1"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -473,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its flags")
     args = parser.parse_args(argv)
     name = "local_nodes.py"
+    refused = None if args.cleanup else refusal(args)
+    if refused:
+        print(f"error: {name}: {refused}", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print(f"error: {name}: network namespaces need root (CAP_NET_ADMIN); run it as root", file=sys.stderr)
         return 2
@@ -480,10 +496,6 @@ def main(argv: list[str] | None = None) -> int:
         removed = cleanup_stale()
         print(f"{name}: removed {len(removed)}: {' '.join(removed) or 'nothing left behind'}")
         return 0
-    if not args.script:
-        parser.error("the training script is missing")
-    if args.nodes < 1 or args.nproc_per_node < 1:
-        parser.error("--nodes and --nproc_per_node must be at least 1")
 
     def stop(signum, _frame):  # each as Ctrl-C: unwind through close()
         raise KeyboardInterrupt

@@ -4,8 +4,9 @@
         state/               model + optimizer through torch.distributed.checkpoint (DCP), under
                              the full model's parameter names: each rank writes what it owns, so
                              the same format serves replicated (DDP) and sharded strategies
-        trainer_state.json   step, data position, global batch, model config, and the size and
-                             sha256 of every other file of the checkpoint (written last)
+        trainer_state.json   step, data position, global batch, model config, the size and sha256
+                             of every other file of the checkpoint, and the sha256 of its own content
+                             (written last)
         scheduler.pt         LR schedule
         rng/rank_<r>.pt      every rank's RNG (python, numpy, torch, cuda)
         extra_state.pt       a strategy's own state, if it has one (DiLoCo's outer optimizer)
@@ -13,13 +14,18 @@
                              + task.json: where a Task of the user's own lives, for evaluate.py)
 
 A save is written to `checkpoints/.tmp_step_<N>` and renamed once complete, so a kill at any moment
-leaves the previous checkpoint (docs/fault-tolerance.md). A resume checks every file against
-trainer_state.json first: a damaged one is one line. Save, load and export are collectives: every
-rank calls them. Checkpoints and `model/` need a file system shared by all machines.
+leaves the previous checkpoint (docs/fault-tolerance.md); a save that fails (a full disk) removes it and
+is one line. A resume checks every file against trainer_state.json first, and trainer_state.json itself
+against its digest: a damaged one is one line. A run holds a lock on its --output_dir (OUTPUT_DIR/.run.lock)
+from its start to its exit. Save, load and export are collectives: every rank calls them. Checkpoints and
+`model/` need a file system shared by all machines.
 """
 
 from __future__ import annotations
 
+import atexit
+import errno
+import fcntl
 import hashlib
 import inspect
 import json
@@ -27,6 +33,8 @@ import os
 import random
 import re
 import shutil
+import socket
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,14 +53,19 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .batchnorm import average_running_stats
 from .errors import NothingToDo, UsageError
+from .launch import RELEASE_AT_END
 
 STATE_FILE = "trainer_state.json"
+STATE_DIGEST_KEY = "state_sha256"  # in trainer_state.json: the sha256 of the rest of it (state_digest)
 EXTRA_STATE_FILE = "extra_state.pt"  # a strategy's own state (save_checkpoint(extra_state=...))
 TASK_FILE = "task.json"  # in model/: where a Task of the user's own lives (evaluate.py rebuilds the model with it)
 # Optimizer state keyed by parameter name ("optim.state.blocks.3.mlp.up_proj.weight.exp_avg"),
 # not by position in a param group: pipeline stages hold different parameters in "the same"
 # groups, and another layout must find each parameter's state by its name.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# The flags that shape what a step trains on (the batches' masks, BatchNorm's statistics): a resume with
+# another value would go on silently as another run, so the checkpoint records them (check_same_data_flags).
+DATA_FLAGS = ("document_mask", "sync_batchnorm")
 
 
 def _checkpoints_dir(output_dir) -> Path:
@@ -85,10 +98,19 @@ def resolve_checkpoint(arg: str | None, output_dir) -> Path | None:
     return path
 
 
+def state_digest(state: dict) -> str:
+    """sha256 of trainer_state.json's content without its own digest, in one canonical form (keys sorted, after
+    a JSON round trip: what was saved and what is read back give the same text)."""
+    content = json.loads(json.dumps({k: v for k, v in state.items() if k != STATE_DIGEST_KEY}))
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def read_checkpoint_state(path: Path) -> dict:
     """Read and check a checkpoint's small files before anything is built or written."""
     try:
         state = json.loads((path / STATE_FILE).read_text())
+        if not isinstance(state, dict):
+            raise TypeError(f"{STATE_FILE} holds no JSON object")
         state_dir = path / "state" / "rank_0" if state.get("per_rank_state") else path / "state"
         dcp.FileSystemReader(str(state_dir)).read_metadata()
         if not (path / "scheduler.pt").is_file():
@@ -101,7 +123,30 @@ def read_checkpoint_state(path: Path) -> dict:
             f"--resume_from_checkpoint {path}: not a complete, readable checkpoint "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
+    # trainer_state.json holds the step and the data position: an edited or damaged one would resume silently
+    # at another place (older checkpoints record no digest)
+    if STATE_DIGEST_KEY in state and state[STATE_DIGEST_KEY] != state_digest(state):
+        what = "is damaged (its content differs from the sha256 recorded in it when it was written)"
+        raise UsageError(cannot_resume_line(path, STATE_FILE, what, _step_of(path, state)))
     return state
+
+
+def _step_of(path: Path, state: dict) -> int:
+    """The step a checkpoint holds, from its folder's name (step_<N>) where it has one: its own record may be
+    the damaged file."""
+    named = re.fullmatch(r"step_(\d+)", path.name)
+    return int(named.group(1)) if named else int(state.get("step", 0))
+
+
+def cannot_resume_line(path: Path, name: str, what: str, step: int) -> str:
+    """The line for a checkpoint file that is damaged or gone, naming the way out: an earlier checkpoint, or
+    starting over."""
+    earlier = [p for p in list_checkpoints(path.parent.parent) if int(p.name.split("_")[1]) < step]
+    resume = f"resume from an earlier checkpoint (--resume_from_checkpoint {earlier[-1]}), or " if earlier else ""
+    return (
+        f"--resume_from_checkpoint {path}: {name} {what}: this checkpoint cannot be resumed; "
+        f"{resume}start over (--overwrite_output_dir, or another --output_dir)"
+    )
 
 
 def _file_record(path: Path) -> dict:
@@ -146,12 +191,7 @@ def check_checkpoint_files(path: Path, state: dict) -> None:
         return
     name, what = next(iter(damaged.items()))
     more = f" (and {len(damaged) - 1} more file{'s' if len(damaged) > 2 else ''})" if len(damaged) > 1 else ""
-    earlier = [p for p in list_checkpoints(path.parent.parent) if int(p.name.split("_")[1]) < state["step"]]
-    resume = f"resume from an earlier checkpoint (--resume_from_checkpoint {earlier[-1]}), or " if earlier else ""
-    raise UsageError(
-        f"--resume_from_checkpoint {path}: {name} {what}{more}: this checkpoint cannot be resumed; "
-        f"{resume}start over (--overwrite_output_dir, or another --output_dir)"
-    )
+    raise UsageError(cannot_resume_line(path, name, what + more, _step_of(path, state)))
 
 
 def check_compatible(state: dict, path: Path, shapes: dict, global_batch_size: int) -> None:
@@ -179,25 +219,156 @@ def check_compatible(state: dict, path: Path, shapes: dict, global_batch_size: i
         )
 
 
+def check_same_data_flags(state: dict, path: Path, flags: dict) -> None:
+    """The flags that shape what a step trains on must be those the checkpoint was saved with (older
+    checkpoints record none of them)."""
+    saved = state.get("data_flags", {})
+    differ = [name for name, value in flags.items() if name in saved and saved[name] != value]
+    if differ:
+        now = ", ".join(_as_flag(name, flags[name]) for name in differ)
+        was = ", ".join(_as_flag(name, saved[name]) for name in differ)
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: saved with {was}, this run has {now}: resume with the same "
+            "flags (the batches and the model's normalisation follow them), or start over in another --output_dir"
+        )
+
+
+def _data_flags(args, model) -> dict:
+    """DATA_FLAGS' values, where the script has the flag (a copy for one's own model may drop them);
+    --sync_batchnorm only where the model has BatchNorm (elsewhere it changes nothing)."""
+    has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return {
+        name: getattr(args, name)
+        for name in DATA_FLAGS
+        if getattr(args, name, None) is not None and (name != "sync_batchnorm" or has_batchnorm)
+    }
+
+
+def _as_flag(name: str, value) -> str:
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"no --{name}"
+    return f"--{name} {value}"
+
+
+# ---------------------------------------------------------------- the run's lock on its --output_dir
+# One run writes to an --output_dir at a time: two would log the same steps twice and publish over each
+# other's checkpoints. The main process holds an flock on OUTPUT_DIR/.run.lock (its host and pid inside)
+# until it exits: the kernel releases it when the process dies, however it dies, so a lock file that is
+# there but not held is a killed run's, taken over.
+LOCK_FILE = ".run.lock"
+_held_lock: dict = {}  # this process's: {"fd", "path", "made"} (made: the folder the lock created, or None)
+
+
+def lock_output_dir(output_dir) -> str | None:
+    """Take the run's lock on `output_dir` (made if missing); a second run is refused in one line, and so is a
+    folder that cannot be written. Returns the line to print when a killed run's lock was taken over."""
+    out = Path(output_dir)
+    made = next((d for d in reversed([out, *out.parents]) if not d.exists()), None)  # the topmost missing folder
+    path = out / LOCK_FILE
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _lock_holder(os.read(fd, 4096))
+                os.close(fd)
+                raise UsageError(
+                    f"--output_dir {out} is in use by another run ({holder}): wait for it to end, or choose another "
+                    f"--output_dir (two runs in one folder would write over each other's checkpoints)"
+                ) from None
+            try:  # the run that held it may have removed the file just before we locked it: lock the one there
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        previous = os.read(fd, 4096)
+        os.ftruncate(fd, 0)
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except OSError as e:  # a read-only or full file system, no permission: before step 1, not at the first record
+        if made is not None:
+            _remove_empty_folders(out, made)
+        raise UsageError(
+            f"--output_dir {out} cannot be written ({e.strerror or type(e).__name__}): give a writable --output_dir"
+        ) from None
+    _held_lock.update(fd=fd, path=path, made=made)
+    if release_output_dir not in RELEASE_AT_END:  # every exit of run_main, and any other exit of the interpreter
+        RELEASE_AT_END.append(release_output_dir)
+        atexit.register(release_output_dir)
+    if previous.strip():
+        return (
+            f"--output_dir {out}: taking over the lock of a run that ended without releasing it "
+            f"({_lock_holder(previous)}, no longer running)"
+        )
+    return None
+
+
+def _lock_holder(content: bytes) -> str:
+    try:
+        holder = json.loads(content)
+        return f"host {holder['host']}, pid {holder['pid']}, started {holder['started']}"
+    except (ValueError, TypeError, KeyError):
+        return "its holder unknown"
+
+
+def release_output_dir() -> None:
+    """Remove the lock file and let go of the lock; a folder the lock made stays only if the run wrote to it."""
+    if not _held_lock:
+        return
+    held = dict(_held_lock)
+    _held_lock.clear()
+    Path(held["path"]).unlink(missing_ok=True)  # before the lock goes: a run waiting on it then sees no file
+    os.close(held["fd"])
+    if held["made"] is not None:
+        _remove_empty_folders(Path(held["path"]).parent, held["made"])
+
+
+def _remove_empty_folders(folder: Path, up_to: Path) -> None:
+    """rmdir `folder` and its parents up to `up_to`, while empty (a refused run leaves no folder it made)."""
+    for d in [folder, *folder.parents]:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+        if d == up_to:
+            return
+
+
 def check_resume_and_output(
     accelerator, args, model, task, global_batch_size: int, layout=None
 ) -> tuple[Path | None, dict]:
-    """Before anything is written: find and check the checkpoint to resume, refuse to start a run on top
-    of another, clear it on --overwrite_output_dir. Returns the checkpoint (or None) and the facts every
-    checkpoint of this run records besides the tensors (what a resume must match)."""
+    """Before anything is written: lock --output_dir for this run, find and check the checkpoint to resume,
+    refuse to start a run on top of another, clear it on --overwrite_output_dir. Returns the checkpoint (or
+    None) and the facts every checkpoint of this run records besides the tensors (what a resume must match)."""
     facts = {
         "global_batch_size": global_batch_size,
         "world_size": accelerator.num_processes,
         "seed": args.seed,
         "param_shapes": {name: list(p.shape) for name, p in model.named_parameters()},  # before any cut
         "model_config": task.config(),
+        "data_flags": _data_flags(args, model),  # what shapes the batches and the normalisation
         **({"layout": layout.describe()} if layout is not None else {}),
     }
+    outcome = None
+    if accelerator.is_main_process:  # the global main process alone: the nodes of one run share the folder
+        try:
+            outcome = {"taken_over": lock_output_dir(args.output_dir)}
+        except UsageError as e:
+            outcome = {"refused": str(e)}
+    outcome = gather_object([outcome])[0]  # every rank learns the main process's outcome (and waits for it)
+    if "refused" in outcome:
+        raise UsageError(outcome["refused"])
+    if outcome["taken_over"]:
+        accelerator.print(outcome["taken_over"])
     resume_path = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
         state = read_checkpoint_state(resume_path)
         check_checkpoint_files(resume_path, state)
         check_compatible(state, resume_path, facts["param_shapes"], global_batch_size)
+        check_same_data_flags(state, resume_path, facts["data_flags"])
         if state["step"] >= args.max_steps:  # a finished run: change nothing
             raise NothingToDo(
                 f"{resume_path} is already at --max_steps {args.max_steps}: nothing to do "
@@ -260,29 +431,97 @@ def save_checkpoint(
     root = _checkpoints_dir(output_dir)
     final = root / f"step_{trainer_state['step']}"
     tmp = root / f".tmp_step_{trainer_state['step']}"
+    # A write that fails (a full disk) is noted and the save goes on to the next point where every rank
+    # compares notes (_all_written): then every rank stops with the same line, the partial save removed.
+    failed = None
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
-        (tmp / "rng").mkdir(parents=True)
-    accelerator.wait_for_everyone()
+        with _noting_write_failure(tmp) as failed:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+            (tmp / "rng").mkdir(parents=True)
+    _all_written(accelerator, failed, tmp, step)
     model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=OPTIONS)
     state_dir = tmp / "state" / f"rank_{accelerator.process_index}" if per_rank_state else tmp / "state"
-    with _each_rank_alone(per_rank_state):
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(state_dir), no_dist=per_rank_state)
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
-    if accelerator.is_main_process:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        if extra_state is not None:  # inside the checkpoint before it is published: whole or not at all
-            torch.save(extra_state, tmp / EXTRA_STATE_FILE)
-    accelerator.wait_for_everyone()  # every rank's files are written (DCP wrote its metadata last)
+    with _noting_write_failure(tmp) as failed:
+        with _each_rank_alone(per_rank_state):
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(state_dir), no_dist=per_rank_state)
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
+        if accelerator.is_main_process:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            if extra_state is not None:  # inside the checkpoint before it is published: whole or not at all
+                torch.save(extra_state, tmp / EXTRA_STATE_FILE)
+    _all_written(accelerator, failed, tmp, step)  # every rank's files are written (DCP wrote its metadata last)
     files = record_checkpoint_files(tmp)  # what a resume checks first: every file, its size and digest
+    failed = None
     if accelerator.is_main_process:
-        state = {**trainer_state, "per_rank_state": per_rank_state, "files": files}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-    accelerator.wait_for_everyone()
+        with _noting_write_failure(tmp) as failed:
+            state = {**trainer_state, "per_rank_state": per_rank_state, "files": files}
+            state[STATE_DIGEST_KEY] = state_digest(state)  # the file covers itself too: a resume checks it first
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+    _all_written(accelerator, failed, tmp, step)
     if accelerator.is_main_process:
         publish_checkpoint(tmp, final, output_dir, args.keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+# errno of a write the file system refused: full, over quota, read-only, no permission, an I/O error
+WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG}
+
+
+class _WriteFailure:
+    reason: str | None = None  # why a write failed, for the line
+
+
+@contextmanager
+def _noting_write_failure(folder: Path):
+    """Keep why a write into `folder` failed in the yielded note instead of raising (a lost peer is raised)."""
+    note = _WriteFailure()
+    try:
+        yield note
+    except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure in a CheckpointException
+        note.reason = _write_failure(e, folder)
+        if note.reason is None:
+            raise
+
+
+def _write_failure(error: BaseException, folder: Path) -> str | None:
+    """Why a write was refused, if that is what `error` is (in DCP's gathered failures, or its causes), or None."""
+    seen, todo = [], [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno in WRITE_FAILURES:
+            return e.strerror
+        if isinstance(e, RuntimeError) and "inline_container" in str(e):  # torch.save's writer names no errno
+            full = shutil.disk_usage(next(d for d in [folder, *folder.parents] if d.exists())).free < 2**20
+            return os.strerror(errno.ENOSPC) if full else f"torch.save failed: {str(e).splitlines()[0][:120]}"
+        if isinstance(e, CheckpointException):
+            todo += [failure[0] for failure in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _all_written(accelerator, note: _WriteFailure | None, tmp: Path, step: int) -> None:
+    """Collective: every rank learns whether any failed to write; if one did, the partial save is removed
+    and every rank stops with one line (the checkpoints published before are whole)."""
+    failures = [f for f in gather_object([None if note is None else note.reason]) if f]
+    if not failures:
+        return
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    earlier = list_checkpoints(tmp.parent.parent)
+    then = (
+        f"continue from the last complete checkpoint ({earlier[-1]}) with --resume_from_checkpoint latest"
+        if earlier
+        else "run again"
+    )
+    raise UsageError(
+        f"the checkpoint of step {step} could not be written to {tmp.parent} ({failures[0]}); its partial save "
+        f"is removed: free space there (--keep_last N keeps fewer checkpoints), then {then}"
+    )
 
 
 @contextmanager

@@ -20,6 +20,7 @@ Built-ins are written once as jsonl under `data/cache/` and then read by the sam
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import random
@@ -185,7 +186,19 @@ def _load_raw(args, cache_dir: Path):
             files = {k: str(v) for k, v in files.items()}
             builder = FILE_BUILDERS[Path(files["train"]).suffix]
             extra = {"keep_linebreaks": True} if builder == "text" else {}
-            raw = datasets.load_dataset(builder, data_files=files, cache_dir=hf_cache, **extra)
+            if args.train_file:  # a user's files: text, or one line naming the file (not datasets' traceback)
+                for split, path in files.items():
+                    check_text_file(f"--{split}_file", path)
+            # each file alone: a file that cannot be parsed is named, and each keeps its own column types (loaded
+            # together, the validation file's numbers would be cast to the train file's strings)
+            raw = datasets.DatasetDict()
+            for split, path in files.items():
+                try:
+                    raw[split] = datasets.load_dataset(
+                        builder, data_files={split: path}, split=split, cache_dir=hf_cache, **extra
+                    )
+                except (datasets.exceptions.DatasetGenerationError, StopIteration) as e:  # it cannot parse it
+                    raise UsageError(_unparsable_line(f"--{split}_file {path}", builder, e)) from None
     except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError, ConnectionError) as e:
         what = f"--dataset_name {args.dataset_name}" if args.dataset_name else "the data files"
         raise UsageError(f"could not load {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -206,7 +219,70 @@ def _load_raw(args, cache_dir: Path):
         raise UsageError(
             f"--text_column {args.text_column!r} not found (columns: {', '.join(raw['train'].column_names)})"
         )
+    for split in ("train", "validation"):  # numbers or lists would be trained on as their printed form
+        feature = raw[split].features.get(args.text_column)
+        if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+            source = (
+                f"--dataset_name {args.dataset_name}"
+                if args.dataset_name
+                else f"--{'validation' if split == 'validation' and args.validation_file else 'train'}_file "
+                f"{args.validation_file if split == 'validation' and args.validation_file else args.train_file}"
+            )
+            raise UsageError(
+                f"{source}: its column {args.text_column!r} holds {_feature_kind(feature)}, not text: give strings "
+                "there, or name the column of text with --text_column"
+            )
     return raw
+
+
+TEXT_SNIFF_BYTES = 2**20  # how much of a local data file is read to tell text from binary
+
+
+def check_text_file(flag: str, path: str) -> None:
+    """A local data file must hold UTF-8 text: empty, binary or otherwise encoded is one line naming it
+    (datasets fails on most with a traceback, and trains on a binary .txt whose bytes happen to decode)."""
+    with open(path, "rb") as f:
+        head = f.read(TEXT_SNIFF_BYTES)
+    if not head.strip():
+        raise UsageError(f"{flag} {path} is empty{' (only white space)' if head else ''}: give a file of text")
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise UsageError(
+            f"{flag} {path} is binary, not text (a NUL byte at offset {nul:,}): give a .txt, .json/.jsonl or .csv "
+            "file of UTF-8 text"
+        )
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < TEXT_SNIFF_BYTES)
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{flag} {path} is not UTF-8 text (byte {e.start:,} cannot be decoded): convert it to UTF-8 "
+            "(iconv -t UTF-8), or give another file"
+        ) from None
+
+
+def _unparsable_line(source: str, builder: str, error: BaseException) -> str:
+    """The line for a data file that datasets cannot parse: the file, datasets' reason, what it should hold."""
+    cause = error.__cause__ or error
+    detail = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
+    kind, fix = {
+        "json": ("JSON", "one JSON object a line (or one JSON list of them), each with the column of text"),
+        "csv": ("CSV", "a header row, then rows of as many fields"),
+        "text": ("text", "UTF-8 text"),
+    }[builder]
+    return f"{source} cannot be read as {kind} ({type(cause).__name__}: {detail}): give {fix}"
+
+
+def _feature_kind(feature) -> str:
+    """What a column holds, for people: int64, lists, objects, nothing (no value in any row)."""
+    import datasets
+
+    if isinstance(feature, datasets.Value):
+        return "nothing (no value in any row)" if feature.dtype == "null" else f"{feature.dtype} values"
+    if isinstance(feature, dict):
+        return "objects"
+    if isinstance(feature, (list, datasets.Sequence, datasets.List)):
+        return "lists"
+    return "values of mixed kinds" if type(feature).__name__ == "Json" else type(feature).__name__
 
 
 def _encode_addition(batch, row_len: int, tokenizer=None):
