@@ -40,6 +40,7 @@ AttentionInterface), a model of your own (docs/your-model.md).
 
 import sys
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
@@ -55,6 +56,7 @@ from common.causal_lm import documents_of
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
+from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
@@ -621,6 +623,7 @@ def cp_loss(task, layout: Layout, device, impl: str = "ring", windows=None):
         documents = documents_of(mb["position_ids"])
         yield task.loss_at(model, ids, targets, mb["position_ids"][:, positions], documents)[0]
 
+    ring_loss.positions = positions  # the cut check compares each module's output at these positions
     return ring_loss
 
 
@@ -821,6 +824,7 @@ def main():
     if layout.cp > 1 and args.cp_impl == "ulysses":
         check_ulysses_heads(layout, kv_shape)  # CP: Ulysses cuts the heads: they divide by cp, or one line
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- CP: the strategy
@@ -844,6 +848,10 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     whole = plain_attention(task, model, attention) if attention else None  # CP: whole sequences, causal SDPA
     check_task_contract(task, model, data.validation, accelerator.device, whole)  # CP: on whole sequences
+    cp_step = partial(cp_forward_backward, accelerator, model, loss_of=loss_of, grad_scale=grad_scale)
+    # CP: cut sequences = the whole model, on a probe
+    at = {"token_positions": getattr(loss_of, "positions", None)}  # CP: outputs compared at this rank's tokens
+    cut_line = check_cut(accelerator, "CP", model, cp_step, reference, task, data.validation, grad_accum, layout, **at)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -860,7 +868,7 @@ def main():
     monitor = RunMonitor(accelerator, args, "train_cp", feed, layout.world_size, global_batch_size)
     cp_line, ring_formula = cp_start_line(layout, args, task.tokens_per_sample, kv_shape, args.cp_impl)  # CP: bytes
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
-    monitor.start(task, model_line, n_params, data, [cp_line, costs], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [cp_line, costs, cut_line], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

@@ -19,6 +19,7 @@ Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
 """
 
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
@@ -30,6 +31,7 @@ from common.batchnorm import batchnorm_line
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
+from common.cut_check import check_cut, uncut_copy
 from common.evaluation import evaluate
 from common.launch import WORLD_SIZE_VARS, make_accelerator, run_main
 from common.loader import make_train_loader
@@ -112,6 +114,7 @@ def main():
         register_optimizer_step_pre_hook(lambda *_, moe_model=model: update_expert_bias(moe_model))
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
+    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
     if args.compile:
         compile_units(task.units(model), accelerator)  # each unit, before DDP wraps the model
 
@@ -130,6 +133,9 @@ def main():
         sync_batchnorm(model, accelerator.device)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
+    ddp_step = partial(ddp_forward_backward, accelerator, model, task, dp_size=dp_size)
+    # DDP: a probe step on N ranks = the same samples through one whole model
+    cut_line = check_cut(accelerator, "DDP", model, ddp_step, reference, task, data.validation, grad_accum)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -145,7 +151,8 @@ def main():
     allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
     ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB"
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
-    monitor.start(task, model_line, n_params, data, [f"{ddp_line} = {allreduce_mib:.1f} MiB", bn_line], resume_path)
+    lines = [f"{ddp_line} = {allreduce_mib:.1f} MiB", bn_line, cut_line]
+    monitor.start(task, model_line, n_params, data, lines, resume_path)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

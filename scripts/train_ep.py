@@ -51,6 +51,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
+from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.launch import WORLD_SIZE_VARS, make_accelerator, run_main
@@ -355,6 +356,7 @@ def main():
     check_expert_slices(expert_modules, dp_size // ep_size)  # EP: FSDP can cut them again over the dp / ep groups
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- EP: the strategy, then FSDP for the rest
@@ -372,6 +374,9 @@ def main():
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
+    ep_step = partial(ep_forward_backward, accelerator, model, task, dp_size=dp_size)
+    # EP: the experts cut = the whole model, on a probe
+    cut_line = check_cut(accelerator, "EP", model, ep_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -387,7 +392,7 @@ def main():
     monitor = RunMonitor(accelerator, args, "train_ep", feed, layout.world_size, global_batch_size)
     ep_line = ep_start_line(expert_modules[0].down_proj.shape[0], ep_size, dp_size)  # EP: the experts per rank
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
-    monitor.start(task, model_line, n_params, data, [ep_line, costs], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [ep_line, costs, cut_line], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

@@ -25,6 +25,7 @@ FSDP plugin is not used (on CPU it is silently ignored): this file applies FSDP2
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
@@ -37,6 +38,7 @@ from common.batchnorm import batchnorm_line
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
+from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
@@ -165,6 +167,7 @@ def main():
     units = task.units(model)  # the repeated units: one FSDP unit each, activation checkpointing, --compile
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- FSDP: the strategy
@@ -192,6 +195,12 @@ def main():
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
+    unsharded = args.unsharded_accumulation and shard  # FSDP: whole gradients through the accumulation window
+    fsdp_step = partial(
+        fsdp_forward_backward, accelerator, model, task, dp_size=dp_size, unsharded_accumulation=unsharded
+    )
+    # FSDP: the shards = the whole model, on a probe
+    cut_line = check_cut(accelerator, "FSDP", model, fsdp_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -209,11 +218,10 @@ def main():
     fsdp_line += "" if len(units) else "; the Task names no units: the whole model is one FSDP unit"
     fsdp_line = fsdp_line if shard else "FSDP over 1 rank: nothing to shard, so fully_shard is not applied"
     fsdp_line += "; each rank made only its shards of the weights (built on meta)" if on_meta and shard else ""  # FSDP
-    unsharded = args.unsharded_accumulation and shard  # FSDP: whole gradients through the accumulation window
     window = {"grad_accum": grad_accum, "unsharded_accumulation": unsharded}  # FSDP: the costs say which
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)  # FSDP: + window
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
-    monitor.start(task, model_line, n_params, data, [fsdp_line, costs, bn_line], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [fsdp_line, costs, bn_line, cut_line], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

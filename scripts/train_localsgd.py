@@ -48,6 +48,7 @@ Lines marked `# Accelerate:` are the library's part; `# Local SGD:` marks what d
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
@@ -68,6 +69,7 @@ from common.checkpoint import (
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.collectives import CollectiveCounter
 from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
+from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
@@ -511,6 +513,7 @@ def main():
     model = model.to(accelerator.device)
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
+    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
     if args.compile:
         compile_units(task.units(model), accelerator)  # each unit, before DDP wraps the model
 
@@ -550,6 +553,11 @@ def main():
     )
 
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
+    local_step = partial(local_forward_backward, accelerator, model, task, dp_size=dp_size)
+    # Local SGD: the replicas' mean gradient = one model's
+    cut_line = check_cut(
+        accelerator, "Local SGD", model, local_step, reference, task, data.validation, grad_accum, grads_apart=True
+    )
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     if resume_path:  # DiLoCo: θ_last and the outer momentum, as the checkpoint left them
         replica_sync.load_state_dict(load_extra_state(resume_path), resume_path)
@@ -577,7 +585,7 @@ def main():
         f"rank = {sum(fusion_mib) / args.sync_every:.3f} MiB per step (DDP: {ddp_mib:.2f} MiB per step)"
     )
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
-    monitor.start(task, model_line, n_params, data, [fusion_line, bn_line], resume_path)
+    monitor.start(task, model_line, n_params, data, [fusion_line, bn_line, cut_line], resume_path)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

@@ -35,6 +35,7 @@ the strategy; `# Accelerate:` the library's part.
 import sys
 from contextlib import nullcontext
 from fnmatch import fnmatch
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
@@ -58,6 +59,7 @@ from torch.distributed.tensor.parallel import (
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
+from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
@@ -696,6 +698,7 @@ def main():
         check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model, flags
     check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)  # TP: the flags fit the layout, data
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- TP: the strategy
@@ -718,6 +721,17 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     lp = loss_parallel() if args.loss_parallel else None  # TP: the loss on vocabulary shards
     check_task_contract(task, model, data.validation, accelerator.device, lp)  # TP: with the loss on vocab shards
+    tp_step = partial(
+        tp_forward_backward,
+        accelerator,
+        model,
+        task,
+        use_loss_parallel=args.loss_parallel,
+        dp_size=dp_size,
+        counts_loss=layout.holds_loss,
+    )
+    # TP: the shards = the whole model, on a probe
+    cut_line = check_cut(accelerator, "TP", model, tp_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -734,7 +748,7 @@ def main():
     tp_lines, megatron = tp_start_lines(model, plan, layout, args, task.tokens_per_sample or 1)  # TP: what it splits
     tp_lines += ["each rank made only its shards of the weights (built on meta)"] if on_meta and plan else []  # TP
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
-    monitor.start(task, model_line, n_params, data, [*tp_lines, costs], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [*tp_lines, costs, cut_line], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

@@ -45,6 +45,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     a("--warmup_steps", type=int, default=100, help="linear warm-up, then cosine decay to 10%% of the peak")
     a("--max_grad_norm", type=float, default=1.0, help="clip the global gradient norm (0: no clipping)")
     a("--compile", action="store_true", help="torch.compile each block: faster steps after a first slow one")
+    skip = "skip the start-up proof that the cut model computes the uncut one (a probe step, both ways): said"
+    a("--skip_cut_check", action="store_true", help=skip + " in the start lines; only for a run known to differ")
     a = p.add_argument_group("logging, evaluation, checkpoints").add_argument
     a("--log_every", type=int, default=10, help="write a train record every N steps")
     a("--eval_every", type=int, default=250, help="evaluate every N steps (0: only at the end)")

@@ -1,0 +1,275 @@
+"""Every run proves its cut before step 1: the strategy's own forward and backward, on a probe of a few
+validation samples, against the uncut model on one rank (the same weights, gathered from the shards).
+
+    uncut_copy(model, task)   in the MODEL section's wake, before the strategy cuts anything: a whole copy
+    check_cut(...)            after the strategy, before step 1: one probe step through the lesson's own
+                              step function; the loss and every parameter's gradient (made whole from its
+                              shards) against the copy's on the same samples, in eval mode (no dropout),
+                              the RNG untouched. Within tolerance: a start line "cut checked: ...";
+                              otherwise one `error:` line naming the strategy, the first module where the
+                              two part, the gap, and the way out. --skip_cut_check skips it, loudly.
+
+Nothing here knows a family, a mask or a plan: a cut that changes what the model computes (a bias the
+attention replacement drops, a layer that mixes tokens across a sequence cut, a tied weight cut alike on
+one side only) shows in the numbers, whatever its name. What it cannot see: a model too large for one rank
+(said, and skipped), and layouts whose micro-batches group samples differently, where a model whose
+outputs depend on its batch's other samples is refused in its own line."""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import send_to_device
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, _get_fqns, get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils.data import default_collate
+
+from .errors import UsageError
+
+PROBE_SAMPLES = 2  # per micro-batch: enough to batch, cheap on any model
+REFERENCE_BYTES_MAX = 4 * 2**30  # a whole copy beyond this stays unbuilt: the check says it was skipped
+RTOL = {"no": 1e-4, "bf16": 5e-2, "fp16": 5e-2}  # of each gradient's largest entry (and of the loss)
+
+
+def uncut_copy(model: nn.Module, task, skip: bool = False):
+    """A whole copy of the model as the MODEL section built it, on the CPU (a 🤗 model still on the meta
+    device is made whole there, its weights overwritten by the run's own at the check), or the reason
+    there is none: a str."""
+    if skip:
+        return "--skip_cut_check"
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if n_bytes > REFERENCE_BYTES_MAX:
+        return f"the whole model ({n_bytes / 2**30:.1f} GiB) is too large to copy onto one rank"
+    reference = copy.deepcopy(model)
+    if any(p.is_meta for p in reference.parameters()):
+        to_empty_keeping_ties(reference, "cpu")
+        with torch.random.fork_rng(devices=[]):  # its buffers (rotary tables) made as the run's are
+            task.materialize(reference)
+    return reference.to("cpu")
+
+
+def to_empty_keeping_ties(model: nn.Module, device) -> None:
+    """`model.to_empty(device)`, but a parameter two modules share (tied weights) stays one: to_empty
+    gives each module a tensor of its own, which would untie them silently."""
+    slots: dict[int, list] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for tied in (s for s in slots.values() if len(s) > 1):
+        first = getattr(*tied[0])
+        for module, name in tied[1:]:
+            setattr(module, name, first)
+
+
+def probe_step(task, validation, dp_rank: int, dp_size: int, grad_accum: int, device):
+    """The probe: dp_size x grad_accum micro-batches of PROBE_SAMPLES validation samples. Returns this
+    rank's micro-batches, all of them (for the uncut model), and the whole probe's target count."""
+    per_rank = grad_accum * PROBE_SAMPLES
+    samples = [validation[i % len(validation)] for i in range(dp_size * per_rank)]
+    micro_batches = [default_collate(samples[i : i + PROBE_SAMPLES]) for i in range(0, len(samples), PROBE_SAMPLES)]
+    n_targets = sum(task.count_targets(mb) for mb in micro_batches)
+    mine = micro_batches[dp_rank * grad_accum : (dp_rank + 1) * grad_accum]
+    whole = default_collate(samples)
+    device_mbs = send_to_device(mine, device)
+    return device_mbs, micro_batches, whole, torch.as_tensor(n_targets, device=device)
+
+
+def _name_of(model: nn.Module, name: str) -> str:
+    fqns = _get_fqns(model, name)  # without DDP's `module.`, compile's `_orig_mod.`, checkpoint wrappers
+    return next(iter(fqns)) if len(fqns) == 1 else name
+
+
+def whole_gradients(model: nn.Module, grads_apart: bool = False) -> dict[str, torch.Tensor]:
+    """{parameter name: its whole gradient, on the CPU} for what this rank holds: DTensor shards made
+    whole (a collective over their mesh), and, where each rank kept its own (`grads_apart`: Local SGD),
+    averaged over the ranks as DDP would."""
+    grads = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = p.grad
+        if g is None:
+            g = torch.zeros_like(p)
+        if isinstance(g, DTensor):
+            g = g.full_tensor()
+        g = g.detach().clone()
+        if grads_apart and dist.is_initialized():
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+        grads[_name_of(model, name)] = g.float().cpu()
+    return grads
+
+
+def reference_step(reference, task, micro_batches, whole, n_targets, autocast) -> tuple:
+    """The uncut model on every micro-batch of the probe: the loss (global sum / global targets), the
+    gradients of that loss, and the loss of the same samples as one batch."""
+    reference.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros(())
+    for mb in micro_batches:
+        with autocast():
+            mb_loss, _ = task.loss_of(reference, mb)
+            (mb_loss / n_targets.cpu()).backward()
+        loss_sum += mb_loss.detach().float()
+    with torch.no_grad(), autocast():
+        whole_loss, _ = task.loss_of(reference, whole)
+    grads = {
+        n: p.grad.detach().float() if p.grad is not None else torch.zeros_like(p)
+        for n, p in reference.named_parameters()
+        if p.requires_grad
+    }
+    return float(loss_sum / n_targets.cpu()), grads, float(whole_loss.float() / n_targets.cpu())
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max |a - b|, relative to b's largest entry); inf where shapes differ or a value is not finite."""
+    if a.shape != b.shape or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("inf"), float("inf")
+    diff = (a - b).abs().max().item() if a.numel() else 0.0
+    return diff, diff / max(b.abs().max().item() if b.numel() else 0.0, 1e-12)
+
+
+def check_cut(
+    accelerator, strategy: str, model, step_fn, reference, task, validation, grad_accum: int, layout=None, **kw
+) -> str:
+    """Collective. One probe step through `step_fn(micro_batches, n_global_targets)` (the lesson's own
+    forward and backward: it returns this rank's loss sum) against `reference`, the data-parallel ranks
+    and size from `layout` (default: every process a replica). Keywords: `grads_apart`, each rank keeps
+    its own gradients (Local SGD); `token_positions`, the sequence positions this rank computes (CP);
+    `way_out`, what the error line proposes. Returns the start line; raises UsageError where the cut is
+    not the model. The RNG, the model's mode and its gradients are left as they were (no gradients), so
+    the run that follows is the run without the check."""
+    if isinstance(reference, str):
+        return f"cut check: skipped ({reference}): nothing proves that the cut computes the model"
+    start = time.perf_counter()
+    dp_rank, dp_size = (layout.dp_rank, layout.dp) if layout else (accelerator.process_index, accelerator.num_processes)
+    device, rtol = accelerator.device, RTOL.get(accelerator.mixed_precision, RTOL["bf16"])
+    autocast = _cpu_autocast(accelerator.mixed_precision)
+    mine, all_mbs, whole, n_targets = probe_step(task, validation, dp_rank, dp_size, grad_accum, device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _eval(model), _eval(reference):
+        cut_loss, cut_grads = _cut_step(accelerator, model, step_fn, mine, n_targets, kw.get("grads_apart", False))
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # collective
+        weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in weights.items()}
+        reference.load_state_dict(weights, strict=False)  # a pipeline rank holds only its stages' part
+        ref_loss, ref_grads, whole_loss = reference_step(reference, task, all_mbs, whole, n_targets, autocast)
+        worst, gaps = 0.0, [_gap(torch.tensor(cut_loss), torch.tensor(ref_loss))[1]]
+        for name, ref in ref_grads.items():
+            if name in cut_grads:
+                diff, rel = _gap(cut_grads[name], ref)
+                worst, gaps = max(worst, diff), gaps + [rel if diff > 1e-7 else 0.0]
+        parted = torch.tensor(float(max(gaps) > rtol), device=device)
+        if dist.is_initialized():
+            dist.all_reduce(parted, op=dist.ReduceOp.MAX)
+        if parted.item():  # every rank: one more probe step, each module's output against the uncut one's
+            first = _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum, kw)
+            where = f"at {first[0]} (its output off by {first[1]:.2g})" if first else "in the gradients"
+            raise UsageError(
+                f"{strategy}: the cut model does not compute the model: on {len(all_mbs) * PROBE_SAMPLES} probe "
+                f"samples its loss is {cut_loss:.6g} against {ref_loss:.6g} uncut, and the two first part {where}: "
+                f"something there mixes what {strategy} cuts in a way it does not carry; "
+                f"{kw.get('way_out', 'train it with train_ddp.py')} (or, knowing the run is wrong, --skip_cut_check)"
+            )
+    batch_gap = _gap(torch.tensor(whole_loss), torch.tensor(ref_loss))[1]
+    if batch_gap > rtol and not _drops_tokens_by_design(model):
+        raise UsageError(
+            f"{strategy}: the model's loss depends on which samples share its micro-batch ({whole_loss:.6g} as "
+            f"one batch of the probe, {ref_loss:.6g} as micro-batches of {PROBE_SAMPLES}, eval mode): a layout "
+            "that changes the micro-batch would not be the run on one process; find what mixes samples in the "
+            "model's forward (or, knowing the runs differ, --skip_cut_check)"
+        )
+    return (
+        f"cut checked: the {strategy} step on {len(all_mbs) * PROBE_SAMPLES} probe samples = the uncut model's "
+        f"(loss |Δ| {abs(cut_loss - ref_loss):.1e}, gradients max |Δ| {worst:.1e}), {time.perf_counter() - start:.1f} s"
+    )
+
+
+@contextmanager
+def _eval(model: nn.Module):
+    """Eval mode (no dropout) for the probe; no gradients left behind."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+
+
+def _cut_step(accelerator, model, step_fn, micro_batches, n_targets, grads_apart: bool):
+    model.zero_grad(set_to_none=True)
+    loss = accelerator.reduce(step_fn(micro_batches, n_targets).detach().float(), reduction="sum")
+    return float(loss / n_targets), whole_gradients(model, grads_apart)
+
+
+def _first_output(output):
+    """The tensor a module's output leads with (a tuple's first, a 🤗 output's first field)."""
+    while isinstance(output, (tuple, list)) or hasattr(output, "to_tuple"):
+        output = output[0] if len(output) else None
+    if isinstance(output, DTensor):
+        output = output.full_tensor()  # a collective: the TP ranks run the same modules in the same order
+    return output if isinstance(output, torch.Tensor) else None
+
+
+def _plain_name(name: str) -> str:
+    for wrapper in ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum, kw):
+    """(module name, gap) of the first module, in the cut model's order of execution, whose output on
+    this rank's first probe micro-batch differs from the uncut model's on the same samples (CP: at this
+    rank's positions); None if no output it can compare differs."""
+    uncut, cut, hooks = {}, [], []
+
+    def keep(store, name, only_first):
+        def hook(module, args, output):
+            if isinstance(store, dict) and name not in store:
+                out = _first_output(output)
+                store[name] = None if out is None else out.detach().float().cpu()
+            elif isinstance(store, list) and (not only_first or name not in {n for n, _ in store}):
+                out = _first_output(output)
+                store.append((name, None if out is None else out.detach().float().cpu()))
+
+        return hook
+
+    try:
+        hooks = [m.register_forward_hook(keep(uncut, n, True)) for n, m in reference.named_modules() if n]
+        with torch.no_grad():
+            task.loss_of(reference, all_mbs[dp_rank * grad_accum])
+        for h in hooks:
+            h.remove()
+        hooks = [m.register_forward_hook(keep(cut, _plain_name(n), True)) for n, m in model.named_modules() if n]
+        step_fn(mine, n_targets)  # the lesson's own step: its collectives run on every rank
+    finally:
+        for h in hooks:
+            h.remove()
+    positions, seen = kw.get("token_positions"), set()
+    for name, out in cut:
+        if name in seen or out is None or uncut.get(name) is None:
+            continue
+        seen.add(name)
+        ref = uncut[name]
+        cut_sequence = positions is not None and ref.dim() >= 2 and out.dim() == ref.dim()
+        if cut_sequence and out.shape[1] == len(positions) and ref.shape[1] > int(positions.max()):
+            ref = ref[:, positions.cpu()]  # CP: this rank's tokens of the whole sequence
+        if out.shape == ref.shape and _gap(out, ref)[1] > RTOL["no"]:
+            return name, _gap(out, ref)[0]
+    return None
+
+
+def _cpu_autocast(precision: str):
+    if precision == "bf16":
+        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    return lambda: torch.autocast("cpu", enabled=False)
+
+
+def _drops_tokens_by_design(model: nn.Module) -> bool:
+    """--capacity_factor caps each expert per micro-batch: batch-dependent on purpose (docs/ep.md)."""
+    return any(getattr(m, "capacity_factor", None) for m in model.modules())

@@ -1,0 +1,41 @@
+"""Runs a training script with one of its named gates turned off, to show that the start-up cut check
+(scripts/common/cut_check.py) refuses the wrong run without them (tests/test_cut_check.py):
+
+    accelerate launch ... tests/cut_check_driver.py GATE scripts/train_X.py ARGS...
+
+GATE: `window`, the ring and Ulysses are handed no layer's sliding window (as before the window gate
+existed); `ties`, a 🤗 model keeps its tied embeddings and TP's two tie refusals are off; `none`."""
+
+import runpy
+import sys
+from pathlib import Path
+
+gate, script, *args = sys.argv[1:]
+sys.path.insert(0, str(Path(script).resolve().parent))
+import common.hf
+import common.tied
+
+if gate == "window":
+    set_attention = common.hf.HFCausalLMTask.set_attention
+
+    def windowless(self, model, attention):
+        def without_window(q, k, v, window=None, **masks):
+            return attention(q, k, v, **masks)
+
+        return set_attention(self, model, attention and without_window)
+
+    common.hf.HFCausalLMTask.set_attention = windowless
+elif gate == "ties":
+    from transformers import AutoModelForCausalLM
+
+    from_config = AutoModelForCausalLM.from_config
+
+    def tied(config, **kwargs):
+        config.tie_word_embeddings = True
+        return from_config(config, **kwargs)
+
+    AutoModelForCausalLM.from_config = tied
+    common.hf.check_untied = lambda *a, **k: None
+    common.tied.check_tp_keeps_ties = lambda *a, **k: None
+sys.argv = [script, *args]
+runpy.run_path(script, run_name="__main__")
