@@ -55,6 +55,7 @@ from train_cp import (
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
+from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
@@ -185,6 +186,7 @@ def main():
     if layout.pp > 1:
         check_pipeline_layout(layout, len(units), args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- the strategies, in torchtitan's order
@@ -259,6 +261,10 @@ def main():
             accelerator.device,
             loss_parallel() if args.loss_parallel else plain_attention(task, model, attention) if attention else None,
         )
+    size = {"micro_batch": args.batch_size} if layout.pp > 1 else {}  # the schedule cuts each micro-batch again
+    accum = args.gradient_accumulation_steps  # every cut at once = the whole model, on a probe
+    probe = (forward_backward, reference, task, data.validation, accum, layout)
+    cut_line = check_cut(accelerator, "hybrid", model, *probe, **size)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -283,7 +289,7 @@ def main():
     order = " -> ".join(name for name, on in applied if on) or "none (one process)"
     window = {"grad_accum": args.gradient_accumulation_steps, "unsharded_accumulation": unsharded}
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)
-    monitor.start(task, model_line, n_params, data, [f"order: {order}", costs], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [f"order: {order}", costs, cut_line], resume_path, layout)
     pp_group = layout.group("pp")
 
     # ---------------------------------------- the training loop

@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
+from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
@@ -506,6 +507,7 @@ def main():
     n_units = len(units)  # PP: counted before the split, which drops the other stages' units
     check_pipeline_layout(layout, n_units, args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
+    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- PP: the strategy
@@ -523,6 +525,10 @@ def main():
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     # PP: no check_task_contract (train_fsdp.py's): it runs the whole model on one rank, and here no rank holds it
+    size = {"micro_batch": args.batch_size}  # PP: the stages = the whole model, on a probe the schedule cuts again
+    cut_line = check_cut(
+        accelerator, "PP", model, pipeline, reference, task, data.validation, grad_accum, layout, **size
+    )
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -538,7 +544,7 @@ def main():
     monitor = RunMonitor(accelerator, args, "train_pp", feed, layout.world_size, global_batch_size)
     pp_lines = pipeline_start_lines(layout, n_units, args)  # PP: the stages, the schedule, the bubble in theory
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
-    monitor.start(task, model_line, n_params, data, [*pp_lines, costs], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [*pp_lines, costs, cut_line], resume_path, layout)
     pp_group = layout.group("pp")  # PP: the gradient norm sums over the stages
 
     # ---------------------------------------- the training loop

@@ -68,12 +68,11 @@ def to_empty_keeping_ties(model: nn.Module, device) -> None:
             setattr(module, name, first)
 
 
-def probe_step(task, validation, dp_rank: int, dp_size: int, grad_accum: int, device):
-    """The probe: dp_size x grad_accum micro-batches of PROBE_SAMPLES validation samples. Returns this
-    rank's micro-batches, all of them (for the uncut model), and the whole probe's target count."""
-    per_rank = grad_accum * PROBE_SAMPLES
-    samples = [validation[i % len(validation)] for i in range(dp_size * per_rank)]
-    micro_batches = [default_collate(samples[i : i + PROBE_SAMPLES]) for i in range(0, len(samples), PROBE_SAMPLES)]
+def probe_step(task, validation, dp_rank: int, dp_size: int, grad_accum: int, device, size: int = PROBE_SAMPLES):
+    """The probe: dp_size x grad_accum micro-batches of `size` validation samples. Returns this rank's
+    micro-batches, all of them (for the uncut model), the same samples as one batch, and their target count."""
+    samples = [validation[i % len(validation)] for i in range(dp_size * grad_accum * size)]
+    micro_batches = [default_collate(samples[i : i + size]) for i in range(0, len(samples), size)]
     n_targets = sum(task.count_targets(mb) for mb in micro_batches)
     mine = micro_batches[dp_rank * grad_accum : (dp_rank + 1) * grad_accum]
     whole = default_collate(samples)
@@ -141,7 +140,8 @@ def check_cut(
     """Collective. One probe step through `step_fn(micro_batches, n_global_targets)` (the lesson's own
     forward and backward: it returns this rank's loss sum) against `reference`, the data-parallel ranks
     and size from `layout` (default: every process a replica). Keywords: `grads_apart`, each rank keeps
-    its own gradients (Local SGD); `token_positions`, the sequence positions this rank computes (CP);
+    its own gradients (Local SGD); `micro_batch`, the probe's micro-batch size (a pipeline splits it
+    again: its own); `token_positions`, the sequence positions this rank computes (CP);
     `way_out`, what the error line proposes. Returns the start line; raises UsageError where the cut is
     not the model. The RNG, the model's mode and its gradients are left as they were (no gradients), so
     the run that follows is the run without the check."""
@@ -151,7 +151,8 @@ def check_cut(
     dp_rank, dp_size = (layout.dp_rank, layout.dp) if layout else (accelerator.process_index, accelerator.num_processes)
     device, rtol = accelerator.device, RTOL.get(accelerator.mixed_precision, RTOL["bf16"])
     autocast = _cpu_autocast(accelerator.mixed_precision)
-    mine, all_mbs, whole, n_targets = probe_step(task, validation, dp_rank, dp_size, grad_accum, device)
+    size = kw.get("micro_batch", PROBE_SAMPLES)
+    mine, all_mbs, whole, n_targets = probe_step(task, validation, dp_rank, dp_size, grad_accum, device, size)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _eval(model), _eval(reference):
         cut_loss, cut_grads = _cut_step(accelerator, model, step_fn, mine, n_targets, kw.get("grads_apart", False))
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # collective
@@ -170,7 +171,7 @@ def check_cut(
             first = _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum, kw)
             where = f"at {first[0]} (its output off by {first[1]:.2g})" if first else "in the gradients"
             raise UsageError(
-                f"{strategy}: the cut model does not compute the model: on {len(all_mbs) * PROBE_SAMPLES} probe "
+                f"{strategy}: the cut model does not compute the model: on {len(all_mbs) * size} probe "
                 f"samples its loss is {cut_loss:.6g} against {ref_loss:.6g} uncut, and the two first part {where}: "
                 f"something there mixes what {strategy} cuts in a way it does not carry; "
                 f"{kw.get('way_out', 'train it with train_ddp.py')} (or, knowing the run is wrong, --skip_cut_check)"
@@ -179,12 +180,12 @@ def check_cut(
     if batch_gap > rtol and not _drops_tokens_by_design(model):
         raise UsageError(
             f"{strategy}: the model's loss depends on which samples share its micro-batch ({whole_loss:.6g} as "
-            f"one batch of the probe, {ref_loss:.6g} as micro-batches of {PROBE_SAMPLES}, eval mode): a layout "
+            f"one batch of the probe, {ref_loss:.6g} as micro-batches of {size}, eval mode): a layout "
             "that changes the micro-batch would not be the run on one process; find what mixes samples in the "
             "model's forward (or, knowing the runs differ, --skip_cut_check)"
         )
     return (
-        f"cut checked: the {strategy} step on {len(all_mbs) * PROBE_SAMPLES} probe samples = the uncut model's "
+        f"cut checked: the {strategy} step on {len(all_mbs) * size} probe samples = the uncut model's "
         f"(loss |Δ| {abs(cut_loss - ref_loss):.1e}, gradients max |Δ| {worst:.1e}), {time.perf_counter() - start:.1f} s"
     )
 
