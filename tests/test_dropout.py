@@ -19,7 +19,7 @@ RUNS = {  # name: (script, processes, its flags)
     "ddp_1": ("train_ddp.py", 1, []),
     "ddp_2": ("train_ddp.py", 2, []),
     "fsdp": ("train_fsdp.py", 2, []),
-    "tp": ("train_tp.py", 2, ["--tp_size", "2"]),
+    "tp": ("train_tp.py", 2, ["--tp_size", "2", "--sequence_parallel", "--addition_digits", "4"]),  # DTensor dropout
     "pp": ("train_pp.py", 2, []),
     "localsgd": ("train_localsgd.py", 2, ["--sync_every", "2"]),
     "cp": ("train_cp.py", 2, ["--cp_size", "1"]),  # CP itself refuses --dropout: its data-parallel ranks
