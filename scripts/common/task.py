@@ -240,9 +240,9 @@ def check_task_contract(task: Task, model: nn.Module, validation, device, contex
             raise _contract_error("loss", pair, "a pair (loss_sum, n_targets) of numbers: the loss SUMMED")
         whole, n_whole = (_float(v) for v in pair)
         halves = [[_float(v) for v in task.loss_of(model, slice_tensors(batch, slice(a, a + 2)))] for a in (0, 2)]
-        sums = _scored(task, full_outputs(model(*inputs)), task.targets(batch))  # cut from 4 samples' outputs
+        sums = _scored(task, full_outputs(model(*inputs)), task.targets(batch), 2)  # cut from 4 samples' outputs
         half = slice_tensors(batch, slice(0, 2))
-        alone = _scored(task, full_outputs(model(*task.inputs(half))), task.targets(half))  # those 2 on their own
+        alone = _scored(task, full_outputs(model(*task.inputs(half))), task.targets(half))  # those 2, nothing cut
         task.check(model, batch)
     model.train(was_training)
     for module in model.modules():  # FSDP keeps a root gathered after forward: shard it again
@@ -276,10 +276,14 @@ def check_task_contract(task: Task, model: nn.Module, validation, device, contex
         raise _contract_error("eval_metrics", metrics, "a dict of the reported figures, with 'eval_loss' a number")
 
 
-def _scored(task: Task, outputs, targets) -> dict:
-    """Task.eval_sums of the first 2 samples, cut from the outputs as evaluation cuts off its padding."""
+def _scored(task: Task, outputs, targets, n: int | None = None) -> dict:
+    """Task.eval_sums of the first n samples, cut from the outputs as evaluation cuts off its padding (None: all)."""
     try:
-        return scored_sums(task, outputs, targets, 2)
+        return (
+            scored_sums(task, outputs, targets, n)
+            if n
+            else task.eval_sums(getattr(outputs, "logits", outputs), targets)
+        )
     except (UsageError, torch.distributed.DistBackendError):
         raise
     except Exception as e:
