@@ -712,6 +712,14 @@ def ring_traffic(sender, ring_formula: dict, steps: int, name: str = "ring") -> 
     return traffic
 
 
+def reset_traffic(attention) -> None:
+    """The cut check's probe step sent bytes too: the run's summary counts its own steps' from zero."""
+    for sender in (getattr(attention, "ring", None), getattr(attention, "ulysses", None)):
+        if sender is not None:
+            sender.sent_bytes = dict.fromkeys(sender.sent_bytes, 0)
+            sender.blocks_computed = sender.blocks_skipped = 0
+
+
 def check_cp_size(cp_size: int, n_processes: int) -> None:
     """--cp_size divides the processes (the rest is data parallel), or is -1 (all of them)."""
     if cp_size != -1 and (cp_size < 1 or n_processes % cp_size):
@@ -727,6 +735,12 @@ def check_cp(layout: Layout, model, task, args) -> None:
     in the ring, nothing else that cuts the sequence."""
     if layout.cp > 1:
         task.set_attention(model, None)  # a Task that cannot replace the model's attention says so here
+        missing = [m for m in ("next_token_targets", "loss_at") if not callable(getattr(task, m, None))]
+        if missing:  # the loss of a rank's tokens: a language model's Task (CausalLMTask) has both
+            raise UsageError(
+                f"--cp_size: the Task has no {' and no '.join(missing)}, which give the loss of this rank's tokens: "
+                "subclass CausalLMTask (common/causal_lm.py), or implement them in the MODEL section (docs/cp.md)"
+            )
     seq_len, impl = task.tokens_per_sample, getattr(args, "cp_impl", "ring")
     if layout.cp > 1 and impl == "ulysses" and (not seq_len or seq_len % layout.cp):
         raise UsageError(
@@ -738,7 +752,7 @@ def check_cp(layout: Layout, model, task, args) -> None:
             f"--cp_size {layout.cp} cuts each {seq_len}-token sequence into 2 x cp = {2 * layout.cp} chunks "
             f"(head-tail balancing), which does not divide it: use a --block_size divisible by {2 * layout.cp}"
         )
-    if layout.cp > 1 and (args.dropout or 0) > 0:
+    if layout.cp > 1 and (getattr(args, "dropout", 0) or 0) > 0:  # a model of one's own has no --dropout
         raise UsageError("--dropout: CP's attention has no dropout: use --dropout 0, or train without --cp_size")
     sequence_parallel, loss_parallel = getattr(args, "sequence_parallel", False), getattr(args, "loss_parallel", False)
     if layout.cp > 1 and (layout.pp > 1 or sequence_parallel or loss_parallel):
@@ -852,6 +866,7 @@ def main():
     # CP: cut sequences = the whole model, on a probe
     at = {"token_positions": getattr(loss_of, "positions", None)}  # CP: outputs compared at this rank's tokens
     cut_line = check_cut(accelerator, "CP", model, cp_step, reference, task, data.validation, grad_accum, layout, **at)
+    reset_traffic(attention)  # the summary's bytes are the run's, not the probe's
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,

@@ -192,3 +192,25 @@ def test_a_model_of_your_own_needs_only_the_two_methods(tmp_path, data_cache):
         s["ring_mib_per_step_rank"] == s["ring_formula_mib_per_step_rank"]
         and s["ring_mib_per_step_rank"]["forward"] > 0
     )
+
+
+def test_a_task_without_the_loss_of_some_tokens_is_refused(tmp_path, data_cache):
+    """docs/cp.md lists what CP needs of a model of one's own: set_attention, forward_at, and the loss of
+    some tokens of each sequence (next_token_targets, loss_at: CausalLMTask's). A Task without them is one
+    line before step 1, not a traceback; and a copy without the built-in flags (no --dropout) gets there."""
+    copy = tmp_path / "scripts"
+    shutil.copytree(SCRIPTS / "common", copy / "common")
+    shutil.copy(SCRIPTS / "train_fsdp.py", copy / "train_fsdp.py")  # its FSDP, which train_cp.py imports
+    shutil.copy(Path(__file__).with_name("cp_own_model") / "own_model.py", copy / "own_model.py")
+    text = (SCRIPTS / "train_cp.py").read_text()
+    line = "    model, task = language_model(args, data)\n"
+    own = "    from own_model import build\n\n    model, task = build(data)\n    task.loss_at = None\n"
+    (copy / "train_cp.py").write_text(text.replace(line, own))
+    args = ["--addition_digits", "4", "--max_steps", "2", "--batch_size", "8", "--cp_size", "2"]
+    out = tmp_path / "run"
+    result = launch(
+        str(copy / "train_cp.py"), [*args, "--data_cache_dir", data_cache, "--output_dir", str(out)], 2, check=False
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith("error: --cp_size: the Task has no loss_at"), errors[0]
