@@ -176,6 +176,9 @@ def check_cut(
                 f"something there mixes what {strategy} cuts in a way it does not carry; "
                 f"{kw.get('way_out', 'train it with train_ddp.py')} (or, knowing the run is wrong, --skip_cut_check)"
             )
+    reference.to_empty(device="meta")  # the copy's memory back to the run
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the run's peak memory is its own steps'
     batch_gap = _gap(torch.tensor(whole_loss), torch.tensor(ref_loss))[1]
     if batch_gap > rtol and not _drops_tokens_by_design(model):
         raise UsageError(
