@@ -274,26 +274,139 @@ def _post_order(module: nn.Module, init_fn):
     yield module, init_fn
 
 
+def _is_custom_code(model: nn.Module) -> bool:
+    """transformers' is_custom_code of the model's own class. fully_shard puts the model in a class made in torch
+    (FSDP<Name>), which would count as custom code: its init then skips every module owning no parameter (the
+    MoE blocks that initialise their routers)."""
+    return next(c for c in type(model).__mro__ if not c.__module__.startswith("torch.")).is_custom_code()
+
+
+def _init_order(model: nn.Module) -> list:
+    """[(module, its init function)], each module once: a module reached twice is initialised at its first
+    visit (transformers marks it _is_hf_initialized then)."""
+    seen, order = set(), []
+    for module, init_fn in _post_order(model, model._initialize_weights):
+        if id(module) not in seen:
+            seen.add(id(module))
+            order.append((module, init_fn))
+    return order
+
+
+def _slots(module: nn.Module) -> list:
+    """(owner, name) of every parameter and buffer of `module` and its children."""
+    return [(m, n) for m in module.modules() for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None]
+
+
+def _in_slot(owner: nn.Module, name: str):
+    return owner._parameters[name] if name in owner._parameters else owner._buffers[name]
+
+
+@contextmanager
+def _standing_in(stand_ins: dict, slots_of: dict):
+    """Every slot holding the tensor with id `i` holds stand_ins[i] (a Parameter where a parameter sits, one
+    object for all of a tied tensor's slots); the tensors are put back after."""
+    put_back = []
+    for i, stand_in in stand_ins.items():
+        for owner, name in slots_of[i]:
+            put_back.append((owner, name, _in_slot(owner, name)))
+            if name in owner._parameters:
+                owner._parameters[name] = stand_in
+            else:
+                owner._buffers[name] = stand_in
+    try:
+        yield
+    finally:
+        for owner, name, tensor in reversed(put_back):
+            if name in owner._parameters:
+                owner._parameters[name] = tensor
+            else:
+                owner._buffers[name] = tensor
+
+
+def _stand_in(tensor, like, device) -> torch.Tensor:
+    """`tensor`, or a new one of `like`'s shape and dtype on `device`, as a Parameter where `like` is one."""
+    if tensor is None:
+        tensor = torch.empty(like.shape, dtype=like.dtype, device=device)
+    return nn.Parameter(tensor, requires_grad=like.requires_grad) if isinstance(like, nn.Parameter) else tensor
+
+
+@contextmanager
+def _init_primitives_count_as_writes():
+    """torch.nn.init's trunc_normal_, orthogonal_, dirac_ and sparse_ return at once on a meta tensor, without
+    the in-place op that bumps its version counter: while inits run on meta stand-ins, every init primitive
+    bumps it, as a write does (transformers' go through TORCH_INIT_FUNCTIONS, and torch.nn.init's too under
+    guard_torch_init_functions)."""
+    from torch.autograd.graph import increment_version
+    from transformers import initialization as hf_init
+
+    originals = dict(hf_init.TORCH_INIT_FUNCTIONS)
+
+    def counted(primitive):
+        def init_primitive(tensor, *args, **kwargs):
+            out = primitive(tensor, *args, **kwargs)
+            increment_version(tensor)
+            return out
+
+        return init_primitive
+
+    hf_init.TORCH_INIT_FUNCTIONS.update({name: counted(f) for name, f in originals.items()})
+    try:
+        yield
+    finally:
+        hf_init.TORCH_INIT_FUNCTIONS.update(originals)
+
+
+def _writes_of_each_init(order: list, slots_of: dict, custom: bool) -> list:
+    """For each (module, init) of `order`, the ids of the parameters and buffers its init writes: its own, and
+    any of its children's (Qwen3-Next's MoE block initialises its router's weight; the router's own init
+    does not). Found by running every init once on meta stand-ins (no memory; the RNG state is put back) and
+    reading their version counters. An init that cannot run on meta is given its whole subtree."""
+    stand_ins = {i: _stand_in(None, _in_slot(*slots[0]), "meta") for i, slots in slots_of.items()}
+    tensor_of = {id(s): i for i, s in stand_ins.items()}
+    writes = []
+    from transformers import initialization as hf_init
+
+    counted = _init_primitives_count_as_writes()
+    with _standing_in(stand_ins, slots_of), hf_init.guard_torch_init_functions(), counted, torch.random.fork_rng([]):
+        for module, init_fn in order:
+            inside = _slots(module)
+            before = [(_in_slot(*slot), _in_slot(*slot)._version) for slot in inside]
+            module.__dict__.pop("_is_hf_initialized", None)
+            try:
+                init_fn(module, custom)
+                wrote = [s is not _in_slot(*slot) or s._version != v for slot, (s, v) in zip(inside, before)]
+            except Exception:  # it reads values: whole CPU tensors, as transformers gives it
+                wrote = [True] * len(inside)
+            module.__dict__.pop("_is_hf_initialized", None)
+            writes.append({tensor_of[id(s)] for (s, _), w in zip(before, wrote, strict=True) if w})
+            for (owner, name), (s, _) in zip(inside, before):  # a stand-in the init replaced goes back
+                if name in owner._parameters:
+                    owner._parameters[name] = s
+                else:
+                    owner._buffers[name] = s
+    return writes
+
+
 @torch.no_grad()
 def materialize_hf(model: nn.Module, task) -> None:
     """Make the weights of a 🤗 model built on the meta device, wherever its parameters now are: whole, or
     this rank's part as DTensors (after fully_shard or parallelize_module, then model.to_empty(device)).
     One module at a time, each parameter is made whole on the CPU, then this rank's part is copied in, so no
-    rank ever holds more than one module's whole weights:
-    - random init (task.weights None): transformers' own _init_weights, module by module in its own order
-      from the seeded RNG: the same weights on every layout (not those from_config draws: its layers' own
-      constructors draw from the RNG first);
-    - pretrained: read from the safetensors files, only this rank's slice of each tensor.
+    rank holds more than one module's whole weights (and a child's a parent's init writes, until then):
+    - random init (task.weights None): transformers' own init, module by module in its own order (children
+      first) from the seeded RNG, exactly as its initialize_weights gives: the same weights on every layout
+      (not those from_config draws: its layers' own constructors draw from the RNG first). A module's init may
+      write a child's tensor (Qwen3-Next's MoE block its router's weight): which it writes is found first
+      (_writes_of_each_init), and that tensor stays whole on the CPU until its last writer has run;
+    - pretrained: read from the safetensors files, only this rank's slice of each tensor (an init that would
+      write one writes a meta stand-in, marked initialised as transformers marks loaded tensors).
     The rotary embeddings' buffers are computed by their init in both cases."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from transformers import initialization as hf_init
 
-    weights, custom, files = task.weights, model.is_custom_code(), {}
-
-    def whole_on_cpu(t):
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    weights, custom, files = task.weights, _is_custom_code(model), {}
 
     def part_of(t, whole):  # this rank's part of a whole tensor, as t holds it
         if isinstance(t, DTensor):
@@ -312,32 +425,54 @@ def materialize_hf(model: nn.Module, task) -> None:
             sliced = sliced[:]
         return sliced.to(t.dtype)
 
+    def copy_in(t, part):
+        (t.to_local() if isinstance(t, DTensor) else t).copy_(part)
+
+    order = _init_order(model)
+    slots_of, tensors = {}, {}  # tensor id -> every (owner, name) holding it; tensor id -> the tensor
+    for module, _ in order:
+        for name, t in (*module._parameters.items(), *module._buffers.items()):
+            if t is not None:
+                slots_of.setdefault(id(t), []).append((module, name))
+                tensors[id(t)] = t
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    done = set()  # a tensor two modules share (tied weights) is made once
+    from_file = {}  # tensor id -> (file, key), the name of its first slot (the one state_dict gives)
+    for i, slots in slots_of.items():
+        owner, name = slots[0]
+        qualified = f"{names[id(owner)]}.{name}".lstrip(".")
+        if weights is not None and qualified in weights:
+            from_file[i] = weights[qualified]
+    writes = _writes_of_each_init(order, slots_of, custom)
+    last_writer = {}  # tensor id -> the index in `order` after which its whole value is final
+    for index, (module, _) in enumerate(order):
+        for i in [id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]:
+            last_writer.setdefault(i, index)  # its owner's, or
+        for i in writes[index]:
+            last_writer[i] = max(last_writer.get(i, index), index)  # the last init that writes it
+
+    whole = {}  # tensor id -> its whole value on the CPU, from its owner's turn until its last writer's
     with hf_init.guard_torch_init_functions():
-        for module, init_fn in _post_order(model, model._initialize_weights):
-            prefix = f"{names[id(module)]}." if names[id(module)] else ""
-            own = {n: t for n, t in {**module._parameters, **module._buffers}.items() if t is not None}
-            own = {n: t for n, t in own.items() if id(t) not in done}
-            from_file = {n for n in own if weights is not None and prefix + n in weights}
-            made = {n: whole_on_cpu(t) for n, t in own.items() if n not in from_file}
-            if made:  # transformers' init of this module, on whole CPU tensors standing in for its own
-                for n, t in made.items():
-                    if n in module._parameters:
-                        module._parameters[n] = nn.Parameter(t, requires_grad=own[n].requires_grad)
-                    else:
-                        module._buffers[n] = t
-                module.__dict__.pop("_is_hf_initialized", None)
-                try:
+        for index, (module, init_fn) in enumerate(order):
+            own = [id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+            for i in own:
+                if i in from_file and i not in whole:
+                    copy_in(tensors[i], read_part(tensors[i], from_file[i]))
+            made = {i for i in (*own, *writes[index]) if i not in from_file}
+            for i in made:
+                whole.setdefault(i, _stand_in(None, tensors[i], "cpu"))
+            loaded = {}
+            for i in writes[index] & from_file.keys():  # transformers would skip a loaded tensor: so do we
+                loaded[i] = _stand_in(None, tensors[i], "meta")
+                loaded[i]._is_hf_initialized = True
+            if made or writes[index]:
+                with _standing_in({**{i: whole[i] for i in made}, **loaded}, slots_of):
+                    module.__dict__.pop("_is_hf_initialized", None)
                     init_fn(module, custom)
-                finally:
-                    for n in made:
-                        slot = module._parameters if n in module._parameters else module._buffers
-                        made[n], slot[n] = slot[n].detach(), own[n]
-            for n, t in own.items():
-                local = t.to_local() if isinstance(t, DTensor) else t
-                local.copy_(read_part(t, weights[prefix + n]) if n in from_file else part_of(t, made[n]))
-                done.add(id(t))
+                    for i in made:  # an init may put a new tensor in the slot
+                        whole[i] = _stand_in(_in_slot(*slots_of[i][0]).detach(), tensors[i], "cpu")
+            for i in [i for i in whole if last_writer[i] == index]:
+                copy_in(tensors[i], part_of(tensors[i], whole.pop(i).detach()))
+            module.__dict__.pop("_is_hf_initialized", None)
 
 
 def _safetensors_names(folder: Path) -> dict | None:
