@@ -32,6 +32,7 @@ STEPS = 6
 FLAGS = ["--max_steps", str(STEPS), "--warmup_steps", "2", "--log_every", "1", "--eval_every", "3"]
 FLAGS += ["--eval_batch_size", "16"]
 GLOBAL_BATCH = 16
+RUNS_GROUP = pytest.mark.xdist_group("gru_runs")  # the three runs (and the copy) made once, on one worker
 SAMPLE_DIM = "    sample_dim = 1  # the outputs are (T, B, ntoken): evaluation cuts off its padding along dimension 1\n"
 
 
@@ -113,6 +114,7 @@ def runs(copy) -> dict[str, Path]:
     }
 
 
+@RUNS_GROUP
 @pytest.mark.parametrize("name", ["ddp", "fsdp"])
 def test_two_processes_match_one(runs, name):
     reference, run = losses(runs["one"]), losses(runs[name])
@@ -120,6 +122,7 @@ def test_two_processes_match_one(runs, name):
     print(f"{name} on 2 processes: max |loss - one process| {max(abs(reference[s] - run[s]) for s in reference):.1e}")
 
 
+@RUNS_GROUP
 @pytest.mark.parametrize("name", ["one", "ddp", "fsdp"])
 def test_evaluate_reproduces_the_run_and_the_tie_survives(copy, runs, name):
     """The export used to crash (safetensors: "Some tensors share memory"); the in-run evaluation cuts each
