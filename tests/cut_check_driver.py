@@ -4,8 +4,10 @@
     accelerate launch ... tests/cut_check_driver.py GATE scripts/train_X.py ARGS...
 
 GATE: `window`, the ring and Ulysses are handed no layer's sliding window (as before the window gate
-existed); `ties`, a 🤗 model keeps its tied embeddings and TP's two tie refusals are off; `none`."""
+existed); `ties`, a 🤗 model keeps its tied embeddings and TP's two tie refusals are off; `crash`, rank 1
+raises a ValueError of its own at step 2 (tests/test_faults.py); `none`."""
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -37,5 +39,16 @@ elif gate == "ties":
     AutoModelForCausalLM.from_config = tied
     common.hf.check_untied = lambda *a, **k: None
     common.tied.check_tp_keeps_ties = lambda *a, **k: None
+elif gate == "crash":
+    import common.training
+
+    next_step = common.training.StepFeed.next_step
+
+    def crashing(self):
+        if self.step == 1 and os.environ.get("RANK") == "1":
+            raise ValueError("a bug of rank 1's own, at step 2")
+        return next_step(self)
+
+    common.training.StepFeed.next_step = crashing
 sys.argv = [script, *args]
 runpy.run_path(script, run_name="__main__")

@@ -185,3 +185,25 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_20"], "the interrupted save's leftovers remain"
     assert deleted == ["step_5", "step_10"]
     assert json.loads((tmp_path / "checkpoints" / "step_20" / "trainer_state.json").read_text())["step"] == 20
+
+
+def test_a_rank_that_crashes_keeps_its_traceback_and_its_peer_names_it(tmp_path, data_cache):
+    """Rank 1 raises an error of its own at step 2 (tests/cut_check_driver.py's `crash`): its traceback is
+    kept in OUTPUT_DIR/logs/traceback_rank1.txt, and rank 0, which loses it, names the file in its one line
+    (it said only "its own output says why", and that output was lost among the launcher's)."""
+    out = tmp_path / "run"
+    args = ["crash", str(SCRIPTS / "train_ddp.py"), *TINY, "--max_steps", "4", "--batch_size", "8"]
+    args += ["--data_cache_dir", data_cache, "--output_dir", str(out), "--collective_timeout", "60"]
+    result = subprocess.run(
+        launch_cmd("../tests/cut_check_driver.py", args, nproc=2),
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    kept = out / "logs" / "traceback_rank1.txt"
+    assert result.returncode != 0 and kept.is_file(), result.stderr[-3000:]
+    assert "ValueError: a bug of rank 1's own, at step 2" in kept.read_text()
+    lost = [line for line in result.stderr.splitlines() if line.startswith("error:") and "seen by rank 0" in line]
+    assert lost and str(kept) in lost[0], result.stderr[-3000:]

@@ -16,6 +16,7 @@ class RunPosition:
     finished: bool = False  # past the last step (export, summary)
     waiting: str | None = None  # a collective waited for outside torch's own frames (an async work)
     collective_timeout: float | None = None  # seconds, from --collective_timeout
+    output_dir: str | None = None  # where a rank that crashes keeps its traceback (logs/)
 
     @classmethod
     def describe(cls) -> str:

@@ -70,9 +70,18 @@ def lost_peer_line(error: BaseException) -> str | None:
     rank = f"rank {torch.distributed.get_rank()}" if torch.distributed.is_initialized() else "this process"
     return (
         f"error: {RunPosition.describe()}: {collective_waited_for(error)} {what}; seen by {rank}"
-        f" ({_gloo_detail(error)}). Continue with --resume_from_checkpoint auto once every"
+        f" ({_gloo_detail(error)}).{_kept_tracebacks()} Continue with --resume_from_checkpoint auto once every"
         ' process can run (docs/troubleshooting.md, "A peer did not answer, or was lost")'
     )
+
+
+def _kept_tracebacks() -> str:
+    """ " The peer that crashed kept its traceback in: ..." where one did (run_main's keep_traceback)."""
+    from pathlib import Path
+
+    logs = Path(RunPosition.output_dir) / "logs" if RunPosition.output_dir else None
+    kept = sorted(logs.glob("traceback_rank*.txt")) if logs and logs.is_dir() else []
+    return f" The peer that crashed kept its traceback in: {', '.join(map(str, kept))}." if kept else ""
 
 
 def _gloo_detail(error: BaseException) -> str:

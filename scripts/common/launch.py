@@ -7,6 +7,7 @@ import gc
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate.utils import get_int_from_env
@@ -46,6 +47,7 @@ def run_main(main) -> None:
 
         line = lost_peer_line(e)
         if line is None:
+            keep_traceback(e)  # the peers' lost-peer lines point at it: this rank's is not lost in their output
             raise
         # every rank that saw it says so (the one that froze or died may be rank 0)
         print(line, file=sys.stderr, flush=True)
@@ -53,6 +55,22 @@ def run_main(main) -> None:
         sys.stdout.flush()
         os._exit(1)  # tearing the process group down could wait for the lost peer
     end_process_groups()
+
+
+def keep_traceback(error: BaseException) -> None:
+    """An unexpected exception on a rank: its traceback in OUTPUT_DIR/logs/traceback_rank<r>.txt, said on
+    stderr (the peers that lose this rank print one line each, and name the file)."""
+    if RunPosition.output_dir is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return
+    import traceback
+
+    path = Path(RunPosition.output_dir) / "logs" / f"traceback_rank{os.environ.get('RANK', '0')}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        return
+    print(f"rank {os.environ.get('RANK', '0')} failed; its traceback is kept in {path}", file=sys.stderr, flush=True)
 
 
 def end_process_groups() -> None:
@@ -93,7 +111,7 @@ def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **acc
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1; a plain `python` run shares the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     use_cpu = cpu if cpu is not None else (args.cpu or not torch.cuda.is_available())
-    RunPosition.collective_timeout = args.collective_timeout
+    RunPosition.collective_timeout, RunPosition.output_dir = args.collective_timeout, args.output_dir
     init_restart_safe_group(use_cpu, timedelta(seconds=args.collective_timeout))
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout))]
     handlers += accelerator_kwargs.pop("kwargs_handlers", [])
