@@ -217,6 +217,20 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_save(tmp_pa
         assert not (out / ".run.lock").exists()
 
 
+def test_a_full_disk_during_a_metrics_record_is_one_line_and_leaves_whole_lines(tmp_path):
+    from common.metrics import MetricsWriter
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        metrics = MetricsWriter(disk, enabled=True)
+        metrics.write({"type": "train", "step": 1})
+        with open(disk / "filler", "wb", buffering=0) as filler, pytest.raises(OSError):  # the rest of the disk
+            while True:
+                filler.write(b"x" * 4096)
+        with pytest.raises(UsageError, match=f"{disk / 'metrics.jsonl'} could not be written \\(No space left"):
+            metrics.write({"type": "train", "step": 2, "pad": "x" * 20000})
+        assert (disk / "metrics.jsonl").read_text() == '{"type": "train", "step": 1}\n'
+
+
 def test_a_read_only_output_dir_is_one_line_before_step_1(tmp_path, data_cache):
     with tmpfs(tmp_path / "ro", "1M", read_only=True) as folder:
         outs = [folder / "run", folder / "run" / "new"]  # a folder there, and one to be made

@@ -4,6 +4,7 @@ records, evaluations and checkpoints, throughput and MFU over training-step time
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from .errors import UsageError
 
 # Dense bf16 peak FLOP/s of common accelerators, for MFU; CPUs have no reliable figure (use --peak_flops).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -36,9 +39,27 @@ class MetricsWriter:  # metrics.jsonl, one JSON object a line, from the main pro
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:  # append: a resumed run continues the same file
-                f.write(json.dumps(record) + "\n")
+        if not self.enabled:
+            return
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # a resumed run appends
+            try:
+                start = os.lseek(fd, 0, os.SEEK_END)
+                try:
+                    written = 0
+                    while written < len(line):  # a full disk may take part of it first
+                        written += os.write(fd, line[written:])
+                except OSError:
+                    os.ftruncate(fd, start)  # no half record: a resumed run appends after whole lines
+                    raise
+            finally:
+                os.close(fd)
+        except OSError as e:  # a full disk: one line (the folder was found writable before step 1)
+            raise UsageError(
+                f"{self.path} could not be written ({e.strerror or type(e).__name__}): free space there, then "
+                "continue with --resume_from_checkpoint latest"
+            ) from None
 
 
 class Throughput:
