@@ -17,6 +17,7 @@ class RunPosition:
     waiting: str | None = None  # a collective waited for outside torch's own frames (an async work)
     collective_timeout: float | None = None  # seconds, from --collective_timeout
     output_dir: str | None = None  # where a rank that crashes keeps its traceback (logs/)
+    started: float = 0.0  # time.time() at set-up: a kept traceback older than that is another run's
 
     @classmethod
     def describe(cls) -> str:

@@ -81,6 +81,7 @@ def _kept_tracebacks() -> str:
 
     logs = Path(RunPosition.output_dir) / "logs" if RunPosition.output_dir else None
     kept = sorted(logs.glob("traceback_rank*.txt")) if logs and logs.is_dir() else []
+    kept = [path for path in kept if path.stat().st_mtime >= RunPosition.started - 60]  # this run's (clocks differ)
     return f" The peer that crashed kept its traceback in: {', '.join(map(str, kept))}." if kept else ""
 
 

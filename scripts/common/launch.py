@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from .errors import NothingToDo, RunPosition, UsageError
 # get_int_from_env(WORLD_SIZE_VARS, 1), Accelerate's own reading of them.
 WORLD_SIZE_VARS = ["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"]
 # What end_process_groups calls once the process group is gone: common/layout.py adds the release of
-# its device meshes' groups, so that a run without a mesh carries none of it.
+# its device meshes' groups, so that a run without a mesh carries none of it; common/checkpoint.py the
+# release of the run's lock on its --output_dir.
 RELEASE_AT_END: list = []
 
 
@@ -78,7 +80,7 @@ def end_process_groups() -> None:
     to the interpreter's shutdown, gloo's teardown aborted one finished run in 25 (layout.py)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    for release in RELEASE_AT_END:  # the groups that device meshes hold (common/layout.py)
+    for release in RELEASE_AT_END:  # the groups that device meshes hold (common/layout.py), the output lock
         release()
     gc.collect()  # the groups' last references may sit in reference cycles
     # Nothing is garbage now: move every object to the permanent generation, so the interpreter's
@@ -112,6 +114,7 @@ def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **acc
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     use_cpu = cpu if cpu is not None else (args.cpu or not torch.cuda.is_available())
     RunPosition.collective_timeout, RunPosition.output_dir = args.collective_timeout, args.output_dir
+    RunPosition.started = time.time()
     init_restart_safe_group(use_cpu, timedelta(seconds=args.collective_timeout))
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout))]
     handlers += accelerator_kwargs.pop("kwargs_handlers", [])
