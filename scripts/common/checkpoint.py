@@ -256,7 +256,7 @@ def _as_flag(name: str, value) -> str:
 # until it exits: the kernel releases it when the process dies, however it dies, so a lock file that is
 # there but not held is a killed run's, taken over.
 LOCK_FILE = ".run.lock"
-_held_lock: dict = {}  # this process's: {"fd", "path", "made"} (made: the folder the lock created, or None)
+_held_lock: dict = {}  # this process's: {"fd", "path", "made", "pid"} (made: the folder it created, or None)
 
 
 def lock_output_dir(output_dir) -> str | None:
@@ -294,7 +294,7 @@ def lock_output_dir(output_dir) -> str | None:
         raise UsageError(
             f"--output_dir {out} cannot be written ({e.strerror or type(e).__name__}): give a writable --output_dir"
         ) from None
-    _held_lock.update(fd=fd, path=path, made=made)
+    _held_lock.update(fd=fd, path=path, made=made, pid=os.getpid())
     if release_output_dir not in RELEASE_AT_END:  # every exit of run_main, and any other exit of the interpreter
         RELEASE_AT_END.append(release_output_dir)
         atexit.register(release_output_dir)
@@ -316,7 +316,7 @@ def _lock_holder(content: bytes) -> str:
 
 def release_output_dir() -> None:
     """Remove the lock file and let go of the lock; a folder the lock made stays only if the run wrote to it."""
-    if not _held_lock:
+    if not _held_lock or _held_lock["pid"] != os.getpid():  # a forked child's exit leaves its parent's lock
         return
     held = dict(_held_lock)
     _held_lock.clear()
