@@ -22,6 +22,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 from common.builtin_flags import add_data_args
 from common.errors import UsageError
 
+# one pytest-xdist worker for the module: its tests share two launched runs (the `runs` fixture)
+pytestmark = pytest.mark.xdist_group("run_safety")
+
 DOCUMENTS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 3) for i in range(400)]
 RUN = ["--max_steps", "4", "--checkpoint_every", "2", "--keep_last", "0"]
 OVERLAP = ["--outer_optimizer", "nesterov", "--sync_every", "2", "--overlap_steps", "1", "--checkpoint_every", "2"]
