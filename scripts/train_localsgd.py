@@ -558,7 +558,7 @@ def main():
     cut_line = check_cut(
         accelerator, "Local SGD", model, local_step, reference, task, data.validation, grad_accum, grads_apart=True
     )
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler, replicas=True)  # each its own
     if resume_path:  # DiLoCo: θ_last and the outer momentum, as the checkpoint left them
         replica_sync.load_state_dict(load_extra_state(resume_path), resume_path)
         if progress["world_size"] != dp_size:  # Local SGD: an elastic restart on fewer (or more) replicas

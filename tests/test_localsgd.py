@@ -352,3 +352,40 @@ def test_bad_input(k4_run, tmp_path, data_cache):
     assert not (tmp_path / "m").exists()
     assert_one_error(already, "already exists")
     assert (existing / "keep.txt").read_text() == "mine"
+
+
+def test_replicas_between_fusions_resumed_by_ddp_start_from_one_model(tmp_path, data_cache):
+    """A Local SGD checkpoint saved between fusions holds one replica per rank. Resumed by train_ddp.py,
+    every rank starts from replica 0's (and says so): 1 and 2 processes then give the same run. Before,
+    each of 2 DDP ranks loaded its own replica and DDP kept them apart (8.5e-4 off at the next step)."""
+    saved = tmp_path / "localsgd"
+    common = [*TINY, "--batch_size", "8", "--data_cache_dir", data_cache]
+    launch(
+        "train_localsgd.py",
+        [
+            *common,
+            "--max_steps",
+            "6",
+            "--sync_every",
+            "4",
+            "--stop_at_step",
+            "2",
+            "--checkpoint_every",
+            "2",
+            "--output_dir",
+            str(saved),
+        ],
+        nproc=2,
+    )
+    checkpoint = saved / "checkpoints" / "step_2"
+    runs = {}
+    for nproc, batch in ((1, "16"), (2, "8")):
+        runs[nproc] = tmp_path / f"ddp{nproc}"
+        flags = [*TINY, "--batch_size", batch, "--data_cache_dir", data_cache, "--max_steps", "6"]
+        result = launch(
+            "train_ddp.py",
+            [*flags, "--resume_from_checkpoint", str(checkpoint), "--output_dir", str(runs[nproc])],
+            nproc=nproc,
+        )
+        assert "every rank starts from replica 0's model" in result.stdout, result.stdout[-2000:]
+    assert_same_losses(train_losses(runs[1]), train_losses(runs[2]), range(3, 7), 1e-5)

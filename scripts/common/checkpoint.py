@@ -548,9 +548,10 @@ def publish_checkpoint(tmp: Path, final: Path, output_dir, keep_last: int) -> No
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler) -> dict:
+def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler, replicas: bool = False) -> dict:
     """Collective: restores model, optimizer, scheduler and RNG in place; returns where the run stands
-    (no path: step 0)."""
+    (no path: step 0). A checkpoint of replicas saved between fusions (Local SGD) gives each rank its own
+    (`replicas`: the caller keeps them apart), or, to any other strategy, rank 0's on every rank: one model."""
     if path is None:
         return {"step": 0, "epoch": 0, "samples_in_epoch": 0}
     state = json.loads((path / STATE_FILE).read_text())
@@ -558,6 +559,12 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler)
     to_load = {"model": model_sd, "optim": optim_sd}
     per_rank = state.get("per_rank_state", False)
     saved_rank = accelerator.process_index % state.get("world_size", accelerator.num_processes)  # elastic: r mod N
+    if per_rank and not replicas:  # one model on every rank and layout, not N replicas DDP would keep apart
+        saved_rank = 0
+        accelerator.print(
+            f"resuming {path.name}: it holds {state.get('world_size')} Local SGD replicas saved between fusions; "
+            "every rank starts from replica 0's model and optimizer state"
+        )
     state_dir = path / "state" / f"rank_{saved_rank}" if per_rank else path / "state"
     try:
         with _each_rank_alone(per_rank):
