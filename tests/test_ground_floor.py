@@ -34,7 +34,11 @@ TRAINING_SCRIPTS = [
 ]
 # 2 steps of the tiny model, evaluation only at the end: what every script imports on its way, and no more
 FLAGS = ["--model_size", "tiny", "--max_steps", "2", "--batch_size", "8", "--warmup_steps", "1", "--eval_every", "0"]
-OWN_MODEL_MAX_LINES = 1500  # issue 29: a copy for a model of one's own carries at most this much of common/
+# issue 29: a copy for a model of one's own carries at most this much of common/ (1,500 then). Issue 42 added
+# what every run now does before step 1 (the cut check, the trial export and the contract's evaluation cut,
+# the --output_dir lock, trainer_state.json's digest, a kept traceback): 2,154 lines, hence 2,300; the
+# lessons' redesign (issue 43) is to bring it down.
+OWN_MODEL_MAX_LINES = 2300
 BUILT_IN_MODELS = ("common.model", "common.moe", "common.hf")
 
 
@@ -127,7 +131,7 @@ def test_own_model_copy_imports_no_built_in_model(own_model_run):
     assert not built_in, f"the copy for a model of one's own imports {built_in}"
 
 
-def test_own_model_copy_carries_at_most_1500_lines(own_model_run, record_property):
+def test_own_model_copy_carries_at_most_its_cap(own_model_run, record_property):
     record_property("common_lines", own_model_run["lines"])
     assert own_model_run["lines"] <= OWN_MODEL_MAX_LINES, (
         f"the copy for a model of one's own imports {own_model_run['lines']} lines of common/ "
