@@ -91,10 +91,11 @@ def _model_folder(name: str, flag: str) -> Path:
 def _read_config(spec: str, context: int | None):
     """--model_config: a JSON file, a folder / cached hub name with config.json, or a model type name (then
     with SMALL_DEFAULTS and `context` positions; None: not known yet). -> (config, source for describe)"""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    path = Path(spec)
+    path, model_type, values = Path(spec), None, None
     try:
         if path.is_file():
             try:
@@ -103,16 +104,105 @@ def _read_config(spec: str, context: int | None):
                 raise UsageError(f"--model_config {spec}: not valid JSON ({e})") from None
             if not isinstance(values, dict) or "model_type" not in values:
                 raise UsageError(f'--model_config {spec}: the JSON has no "model_type" (e.g. "llama", "qwen2"); add it')
-            return AutoConfig.for_model(values.pop("model_type"), **values), f"from config {path.name}"
-        if spec in CONFIG_MAPPING and not path.exists():
-            values = {**SMALL_DEFAULTS, "max_position_embeddings": context or SMALL_CONTEXT}
-            return AutoConfig.for_model(spec, **values), f"from config {spec} (small defaults)"
-        folder = _model_folder(spec, "model_config")
-        return AutoConfig.from_pretrained(folder, local_files_only=True), f"from the config of {spec}"
+            values = dict(values)
+            model_type = values.pop("model_type")
+            config, source = AutoConfig.for_model(model_type, **values), f"from config {path.name}"
+        elif spec in CONFIG_MAPPING and not path.exists():
+            model_type, values = spec, {**SMALL_DEFAULTS, "max_position_embeddings": context or SMALL_CONTEXT}
+            config, source = AutoConfig.for_model(spec, **values), f"from config {spec} (small defaults)"
+        else:
+            folder = _model_folder(spec, "model_config")
+            config, source = AutoConfig.from_pretrained(folder, local_files_only=True), f"from the config of {spec}"
     except UsageError:
         raise
-    except (ValueError, TypeError, KeyError, OSError) as e:  # unknown model type, a bad field, custom code ...
-        raise UsageError(f"--model_config {spec}: {_first_line(e)}") from None
+    except StrictDataclassError as e:  # transformers' typed config fields and its checks of them
+        raise UsageError(f"--model_config {spec}: {_config_error(e, model_type, values)}") from None
+    except (ValueError, TypeError, KeyError, OSError, AttributeError) as e:  # unknown type, a bad field, custom code
+        computed = " (the family computes it from other fields): remove it" if "has no setter" in str(e) else ""
+        raise UsageError(f"--model_config {spec}: {_first_line(e)}{computed}") from None
+    _check_config(config, f"--model_config {spec}")
+    return config, source
+
+
+def _config_error(e: Exception, model_type: str | None, values: dict | None) -> str:
+    """What a config refused by transformers' strict validation needs, in words: the field, what it must be,
+    and how to write it; or the hidden size that the attention heads must divide."""
+    import re
+
+    cause = e.__cause__ or e
+    field = re.search(r"for field '([^']+)'", str(e))
+    if field:
+        wrong = re.search(r"expected (.+), got (\w+) \(value: (.*)\)", str(cause))
+        if not wrong:
+            return f"field {field[1]}: {_first_line(cause)}; fix it in the JSON"
+        expected, got, value = wrong.groups()
+        kind = expected.split()[0].split("[")[0]
+        how = {
+            "int": 'a whole number without quotes (64, not "64" or 64.0)',
+            "float": 'a number without quotes (1e-05, not "1e-05")',
+            "bool": "true or false, without quotes",
+            "str": "a string in quotes",
+        }.get(kind, expected)
+        return f"field {field[1]} must be {expected}, not {got} {value}: write it as {how}"
+    from types import SimpleNamespace
+
+    fields = {name: _config_value(model_type, values, name) for name in ("hidden_size", "num_attention_heads")}
+    return _heads_fix(SimpleNamespace(**fields), cause) or f"{_first_line(cause)}: fix the fields it names in the JSON"
+
+
+def _heads_fix(config, e: Exception) -> str | None:
+    """The line for a hidden size the attention heads do not divide (what a family checks in its config, or,
+    as BLOOM and Falcon, when the model is built), or None."""
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads):
+        return None
+    divisors = ", ".join(str(d) for d in range(1, min(hidden, 64) + 1) if hidden % d == 0)
+    return (
+        f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} ({_first_line(e)}): set "
+        f"num_attention_heads to a divisor of {hidden} ({divisors}), or hidden_size to a multiple of {heads}"
+    )
+
+
+def _config_value(model_type: str | None, values: dict | None, name: str):
+    """The value of config field `name` (a standard name: hidden_size, num_attention_heads) as the JSON gives
+    it, under the family's own name (BLOOM's n_head ...), else the family's default; None if unknown."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return None
+    config_class = CONFIG_MAPPING[model_type]
+    own_name = getattr(config_class, "attribute_map", {}).get(name, name)
+    for key in (own_name, name):
+        if values and key in values:
+            return values[key]
+    try:
+        return getattr(config_class(), name, None)
+    except Exception:  # a family whose defaults do not build alone
+        return None
+
+
+def _check_config(config, what: str) -> None:
+    """What transformers accepts in a config but no strategy can train as transformers means it, one line each:
+    - grouped KV heads that do not divide the query heads (the attention fails at the first forward);
+    - a sliding window of 0 or fewer tokens on a layer that uses it: transformers' sdpa and eager attention
+      compute different things with it and its KV cache fails, so no layout could match another."""
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise UsageError(
+            f"{what}: num_key_value_heads {kv} does not divide num_attention_heads {heads} (each KV head serves "
+            f"a group of query heads): set num_key_value_heads to one of {divisors}"
+        )
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    in_use = layer_types is None or "sliding_attention" in layer_types
+    if isinstance(window, (int, float)) and not isinstance(window, bool) and window <= 0 and in_use:
+        context = getattr(config, "max_position_embeddings", None)
+        no_limit = f" ({context} or more: no limit)" if context else ""
+        raise UsageError(
+            f"{what}: sliding_window {window} leaves a query no token to attend to, and transformers' own attention "
+            "disagrees with itself on it (sdpa and eager differ, its KV cache fails): set sliding_window to the "
+            f"tokens each query sees, a positive number{no_limit}"
+        )
 
 
 def _first_line(e: Exception) -> str:
@@ -190,7 +280,7 @@ def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto", on_meta:
             with torch.device("meta"):
                 model = _with_attention(lambda **b: AutoModelForCausalLM.from_config(config, **b), build)
         except (ValueError, TypeError) as e:
-            raise UsageError(f"--model_config {spec}: {_first_line(e)}") from None
+            raise UsageError(f"--model_config {spec}: {_heads_fix(config, e) or _first_line(e)}") from None
         weights = None  # random init
     else:
         folder, config = _pretrained_config(name)
@@ -535,11 +625,16 @@ def _pretrained_config(name: str):
     from transformers import AutoConfig
 
     folder = _model_folder(name, "model_name_or_path")
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as e:  # a bad config.json, custom code ...
+    except StrictDataclassError as e:  # transformers' typed config fields and its checks of them
+        raise UsageError(f"--model_name_or_path {name}: its config.json: {_config_error(e, None, None)}") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # a bad config.json, custom code ...
         raise UsageError(f"--model_name_or_path {name}: could not read its config ({_first_line(e)})") from None
     _check_causal_lm(config, f"--model_name_or_path {name}")
+    _check_config(config, f"--model_name_or_path {name}")
     return folder, config
 
 
@@ -653,6 +748,7 @@ class HFCausalLMTask(CausalLMTask):
         self.hf_config = hf_config
         self.source = source  # "from config tiny.json", "pretrained Qwen/Qwen2-0.5B" (for describe)
         self.tokenizer = tokenizer
+        self._runs_with_attention_replaced = set()  # ids of the models checked (check_ring_computes)
 
     def inputs(self, batch) -> tuple:
         """model(input_ids), or with --document_mask model(input_ids, None, position_ids): transformers masks
@@ -718,6 +814,9 @@ class HFCausalLMTask(CausalLMTask):
         if attention is None:
             model.config._attn_implementation = self.attn_implementation  # as load_hf_model built it
             return
+        self._install_attention(model, attention)
+
+    def _install_attention(self, model: nn.Module, attention) -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
@@ -754,6 +853,43 @@ class HFCausalLMTask(CausalLMTask):
                 f"--cp_size: {family} drops attention weights (attention_dropout {c.attention_dropout}), which "
                 "context parallelism does not: set attention_dropout 0 in the config, or train without --cp_size"
             )
+        self._check_runs_with_attention_replaced(model)
+
+    def _check_runs_with_attention_replaced(self, model: nn.Module) -> None:
+        """A family whose layers compute attention themselves (Falcon) takes its eager path once the attention
+        is one it does not know, and adds the mask transformers no longer builds: a TypeError deep in the model.
+        One 2-token forward with a plain causal attention in place, once per model, turns that into one line."""
+        if id(model) in self._runs_with_attention_replaced:
+            return
+        calls = []
+
+        def counting_attention(query, key, value, **masks):
+            calls.append(query.shape)
+            return nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True)
+
+        device, was_training = next(model.parameters()).device, model.training
+        model.eval()
+        self._install_attention(model, counting_attention)
+        try:
+            with torch.no_grad():
+                ids, positions = torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device)
+                self.forward_at(model, ids, positions)
+        except Exception as e:
+            family = self.hf_config.model_type
+            why = (
+                "its layers compute attention themselves, not through transformers' attention interface, which is "
+                "what context parallelism replaces"
+                if not calls
+                else "context parallelism replaces its attention through transformers' attention interface"
+            )
+            raise UsageError(
+                f"--cp_size: {family}'s forward fails once its attention is replaced ({type(e).__name__}: "
+                f"{_first_line(e)}): {why}; train {family} without --cp_size (train_ddp.py, train_fsdp.py)"
+            ) from None
+        finally:
+            model.config._attn_implementation = self.attn_implementation
+            model.train(was_training)
+        self._runs_with_attention_replaced.add(id(model))
 
     documents = None  # forward_at's, for the replaced attention during that call
 
