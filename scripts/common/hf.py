@@ -541,12 +541,14 @@ def materialize_hf(model: nn.Module, task) -> None:
             last_writer[i] = max(last_writer.get(i, index), index)  # the last init that writes it
 
     whole = {}  # tensor id -> its whole value on the CPU, from its owner's turn until its last writer's
+    read = set()  # the tensors read from the files (a tied one once)
     with hf_init.guard_torch_init_functions():
         for index, (module, init_fn) in enumerate(order):
             own = [id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
             for i in own:
-                if i in from_file and i not in whole:
+                if i in from_file and i not in read:
                     copy_in(tensors[i], read_part(tensors[i], from_file[i]))
+                    read.add(i)
             made = {i for i in (*own, *writes[index]) if i not in from_file}
             for i in made:
                 whole.setdefault(i, _stand_in(None, tensors[i], "cpu"))
