@@ -87,3 +87,28 @@ def test_fsdp_shards_are_the_whole_models_parts(configs, tmp_path):
     gaps = json.loads(result.read_text())
     assert any(".mlp.gate.weight" in k for k in gaps)
     assert max(gaps.values()) == 0, {k: v for k, v in gaps.items() if v}
+
+
+def test_a_parents_init_is_seen_writing_a_child_even_where_torch_skips_meta():
+    """torch.nn.init's trunc_normal_ and orthogonal_ return at once on meta tensors (no in-place op): the dry
+    run over meta stand-ins must still see them write, and the RNG must be as it was after it."""
+    from torch import nn
+    from transformers import initialization as init
+
+    from common.hf import _writes_of_each_init
+
+    block = nn.Module()
+    block.router, block.proj = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+
+    def init_fn(module, custom):
+        if module is block:  # the block initialises its children's weights, as Qwen3-Next's MoE block its router's
+            init.trunc_normal_(module.router.weight, std=0.02)
+            torch.nn.init.orthogonal_(module.proj.weight)
+
+    order = [(block.router, init_fn), (block.proj, init_fn), (block, init_fn)]
+    slots_of = {id(m.weight): [(m, "weight")] for m in (block.router, block.proj)}
+    rng = torch.get_rng_state()
+    writes = _writes_of_each_init(order, slots_of, custom=False)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert writes == [set(), set(), {id(block.router.weight), id(block.proj.weight)}]
+    assert not block.router.weight.is_meta  # the model's own tensors are back in their slots
