@@ -862,11 +862,10 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     whole = plain_attention(task, model, attention) if attention else None  # CP: whole sequences, causal SDPA
     check_task_contract(task, model, data.validation, accelerator.device, whole)  # CP: on whole sequences
-    cp_step = partial(cp_forward_backward, accelerator, model, loss_of=loss_of, grad_scale=grad_scale)
-    # CP: cut sequences = the whole model, on a probe
-    at = {"token_positions": getattr(loss_of, "positions", None)}  # CP: outputs compared at this rank's tokens
-    cut_line = check_cut(accelerator, "CP", model, cp_step, reference, task, data.validation, grad_accum, layout, **at)
-    reset_traffic(attention)  # the summary's bytes are the run's, not the probe's
+    probe_step = partial(cp_forward_backward, accelerator, model, loss_of=loss_of, grad_scale=grad_scale)  # CP: a step
+    probe_step.token_positions = getattr(loss_of, "positions", None)  # CP: the cut check compares outputs there
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
+    reset_traffic(attention)  # CP: the summary's bytes are the run's, not the probe's
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,

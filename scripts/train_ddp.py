@@ -133,9 +133,8 @@ def main():
         sync_batchnorm(model, accelerator.device)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
-    ddp_step = partial(ddp_forward_backward, accelerator, model, task, dp_size=dp_size)
-    # DDP: a probe step on N ranks = the same samples through one whole model
-    cut_line = check_cut(accelerator, "DDP", model, ddp_step, reference, task, data.validation, grad_accum)
+    probe_step = partial(ddp_forward_backward, accelerator, model, task, dp_size=dp_size)  # DDP: the step, on a probe
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,

@@ -374,9 +374,8 @@ def main():
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
-    ep_step = partial(ep_forward_backward, accelerator, model, task, dp_size=dp_size)
-    # EP: the experts cut = the whole model, on a probe
-    cut_line = check_cut(accelerator, "EP", model, ep_step, reference, task, data.validation, grad_accum, layout)
+    probe_step = partial(ep_forward_backward, accelerator, model, task, dp_size=dp_size)  # EP: the step, on a probe
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,

@@ -196,11 +196,8 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
     unsharded = args.unsharded_accumulation and shard  # FSDP: whole gradients through the accumulation window
-    fsdp_step = partial(
-        fsdp_forward_backward, accelerator, model, task, dp_size=dp_size, unsharded_accumulation=unsharded
-    )
-    # FSDP: the shards = the whole model, on a probe
-    cut_line = check_cut(accelerator, "FSDP", model, fsdp_step, reference, task, data.validation, grad_accum, layout)
+    probe_step = partial(fsdp_forward_backward, accelerator, model, task, dp_size=dp_size)  # FSDP: a probe step
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,
@@ -217,7 +214,7 @@ def main():
     fsdp_line = f"FSDP over {layout.dp_replicate} x {layout.dp_shard} ranks (replicas x shards)"
     fsdp_line += "" if len(units) else "; the Task names no units: the whole model is one FSDP unit"
     fsdp_line = fsdp_line if shard else "FSDP over 1 rank: nothing to shard, so fully_shard is not applied"
-    fsdp_line += "; each rank made only its shards of the weights (built on meta)" if on_meta and shard else ""  # FSDP
+    fsdp_line += "; each rank made only its shards of the weights (built on meta)" if on_meta and shard else ""  # FSDP:
     window = {"grad_accum": grad_accum, "unsharded_accumulation": unsharded}  # FSDP: the costs say which
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)  # FSDP: + window
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process

@@ -261,10 +261,9 @@ def main():
             accelerator.device,
             loss_parallel() if args.loss_parallel else plain_attention(task, model, attention) if attention else None,
         )
-    size = {"micro_batch": args.batch_size} if layout.pp > 1 else {}  # the schedule cuts each micro-batch again
-    accum = args.gradient_accumulation_steps  # every cut at once = the whole model, on a probe
-    probe = (forward_backward, reference, task, data.validation, accum, layout)
-    cut_line = check_cut(accelerator, "hybrid", model, *probe, **size)
+    probe_step, grad_accum = forward_backward, args.gradient_accumulation_steps  # every cut, on a probe
+    probe_step.micro_batch_size = args.batch_size if layout.pp > 1 else None  # PP: the shapes its stages send
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,

@@ -553,11 +553,8 @@ def main():
     )
 
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
-    local_step = partial(local_forward_backward, accelerator, model, task, dp_size=dp_size)
-    # Local SGD: the replicas' mean gradient = one model's
-    cut_line = check_cut(
-        accelerator, "Local SGD", model, local_step, reference, task, data.validation, grad_accum, grads_apart=True
-    )
+    probe_step = partial(local_forward_backward, accelerator, model, task, dp_size=dp_size)  # Local SGD: a probe step
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler, replicas=True)  # each its own
     if resume_path:  # DiLoCo: θ_last and the outer momentum, as the checkpoint left them
         replica_sync.load_state_dict(load_extra_state(resume_path), resume_path)

@@ -526,10 +526,9 @@ def main():
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     # PP: no check_task_contract (train_fsdp.py's): it runs the whole model on one rank, and here no rank holds it
-    size = {"micro_batch": args.batch_size}  # PP: the stages = the whole model, on a probe the schedule cuts again
-    cut_line = check_cut(
-        accelerator, "PP", model, pipeline, reference, task, data.validation, grad_accum, layout, **size
-    )
+    probe_step = pipeline  # PP: the schedule, on a probe
+    probe_step.micro_batch_size = args.batch_size  # PP: the shapes its stages send each other
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,

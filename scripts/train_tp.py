@@ -721,17 +721,9 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     lp = loss_parallel() if args.loss_parallel else None  # TP: the loss on vocabulary shards
     check_task_contract(task, model, data.validation, accelerator.device, lp)  # TP: with the loss on vocab shards
-    tp_step = partial(
-        tp_forward_backward,
-        accelerator,
-        model,
-        task,
-        use_loss_parallel=args.loss_parallel,
-        dp_size=dp_size,
-        counts_loss=layout.holds_loss,
-    )
-    # TP: the shards = the whole model, on a probe
-    cut_line = check_cut(accelerator, "TP", model, tp_step, reference, task, data.validation, grad_accum, layout)
+    probe_step = partial(tp_forward_backward, accelerator, model, task, dp_size=dp_size)  # TP: the step, on a probe
+    probe_step.keywords.update(use_loss_parallel=args.loss_parallel, counts_loss=layout.holds_loss)  # TP: its flags
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
     feed = StepFeed(
         accelerator,

@@ -56,10 +56,10 @@ def test_unnamed_cuts_are_refused_and_a_true_cut_is_checked(tmp_path, data_cache
     for i, case in enumerate(cases):
         case[1] += ["--output_dir", str(tmp_path / f"run{i}")]
     ring, ulysses, window_kept, skipped = run_in_turn(cases, 2, tmp_path / "in_turn")
-    assert_refused(ring, "CP", "transformer.h.0.self_attention")  # ALiBi: the attention CP installs is not called
-    assert_refused(ulysses, "CP", "transformer.h.0.self_attention")
+    assert_refused(ring, "train_cp.py", "transformer.h.0.self_attention")  # ALiBi: CP's attention is not called
+    assert_refused(ulysses, "train_cp.py", "transformer.h.0.self_attention")
     assert window_kept["returncode"] == 0, window_kept["stderr"][-3000:]
-    checked = [line for line in window_kept["stdout"].splitlines() if "cut checked: the CP step" in line]
+    checked = [line for line in window_kept["stdout"].splitlines() if "cut checked: train_cp.py's step" in line]
     assert checked, window_kept["stdout"][-3000:]
     gaps = [float(re.match(r"[-+.e\d]+\d", x).group()) for x in checked[0].split("|Δ| ")[1:]]
     assert max(gaps) <= 1e-5, checked[0]
@@ -69,8 +69,8 @@ def test_unnamed_cuts_are_refused_and_a_true_cut_is_checked(tmp_path, data_cache
 @pytest.mark.parametrize(
     "gate, script, flags, strategy, module",
     [
-        ("window", "train_cp.py", ["--cp_size", "2"], "CP", "model.layers.0.self_attn"),
-        ("ties", "train_tp.py", [], "TP", "model.embed_tokens"),
+        ("window", "train_cp.py", ["--cp_size", "2"], "train_cp.py", "model.layers.0.self_attn"),
+        ("ties", "train_tp.py", [], "train_tp.py", "model.embed_tokens"),
     ],
     ids=["window-gate-off", "tie-gates-off"],
 )

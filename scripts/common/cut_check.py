@@ -18,8 +18,10 @@ outputs depend on its batch's other samples is refused in its own line."""
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -85,23 +87,21 @@ def _name_of(model: nn.Module, name: str) -> str:
     return next(iter(fqns)) if len(fqns) == 1 else name
 
 
-def whole_gradients(model: nn.Module, grads_apart: bool = False) -> dict[str, torch.Tensor]:
+def whole_gradients(model: nn.Module, dp_group=None, dp_size: int = 1) -> dict[str, torch.Tensor]:
     """{parameter name: its whole gradient, on the CPU} for what this rank holds: DTensor shards made
-    whole (a collective over their mesh), and, where each rank kept its own (`grads_apart`: Local SGD),
-    averaged over the ranks as DDP would."""
+    whole (a collective over their mesh); a plain tensor's averaged over the data-parallel ranks, as DDP
+    averages them (the same numbers again where DDP did; Local SGD's replicas keep theirs apart)."""
     grads = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        g = p.grad
-        if g is None:
-            g = torch.zeros_like(p)
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
         if isinstance(g, DTensor):
             g = g.full_tensor()
         g = g.detach().clone()
-        if grads_apart and dist.is_initialized():
-            dist.all_reduce(g)
-            g /= dist.get_world_size()
+        if dp_size > 1 and dist.is_initialized():
+            dist.all_reduce(g, group=dp_group)
+            g /= dp_size
         grads[_name_of(model, name)] = g.float().cpu()
     return grads
 
@@ -134,27 +134,28 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return diff, diff / max(b.abs().max().item() if b.numel() else 0.0, 1e-12)
 
 
-def check_cut(
-    accelerator, strategy: str, model, step_fn, reference, task, validation, grad_accum: int, layout=None, **kw
-) -> str:
+def check_cut(accelerator, model, step_fn, reference, task, validation, grad_accum: int, layout=None) -> str:
     """Collective. One probe step through `step_fn(micro_batches, n_global_targets)` (the lesson's own
     forward and backward: it returns this rank's loss sum) against `reference`, the data-parallel ranks
-    and size from `layout` (default: every process a replica). Keywords: `grads_apart`, each rank keeps
-    its own gradients (Local SGD); `micro_batch`, the probe's micro-batch size (a pipeline splits it
-    again: its own); `token_positions`, the sequence positions this rank computes (CP);
-    `way_out`, what the error line proposes. Returns the start line; raises UsageError where the cut is
-    not the model. The RNG, the model's mode and its gradients are left as they were (no gradients), so
-    the run that follows is the run without the check."""
+    from `layout` (default: every process a replica). What a step may say of itself: `micro_batch_size`,
+    the one it takes (a pipeline, whose stages send each other tensors of the run's shape; default 2
+    samples); `token_positions`, the sequence positions this rank computes (CP: outputs are compared
+    there). Gradients a rank keeps apart from its replicas (Local SGD) are averaged over them, as DDP
+    would. Returns the start line; raises UsageError where the cut is not the model. The RNG, the model's
+    mode and its gradients are left as they were (no gradients), so the run that follows is the run
+    without the check."""
+    strategy = Path(sys.argv[0]).name  # the lesson: train_cp.py
     if isinstance(reference, str):
         return f"cut check: skipped ({reference}): nothing proves that the cut computes the model"
     start = time.perf_counter()
     dp_rank, dp_size = (layout.dp_rank, layout.dp) if layout else (accelerator.process_index, accelerator.num_processes)
     device, rtol = accelerator.device, RTOL.get(accelerator.mixed_precision, RTOL["bf16"])
     autocast = _cpu_autocast(accelerator.mixed_precision)
-    size = kw.get("micro_batch", PROBE_SAMPLES)
+    size = getattr(step_fn, "micro_batch_size", None) or PROBE_SAMPLES
     mine, all_mbs, whole, n_targets = probe_step(task, validation, dp_rank, dp_size, grad_accum, device, size)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _eval(model), _eval(reference):
-        cut_loss, cut_grads = _cut_step(accelerator, model, step_fn, mine, n_targets, kw.get("grads_apart", False))
+        dp_group = layout.group("dp") if layout else None  # None: every process a replica
+        cut_loss, cut_grads = _cut_step(accelerator, model, step_fn, mine, n_targets, dp_group, dp_size)
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # collective
         weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in weights.items()}
         reference.load_state_dict(weights, strict=False)  # a pipeline rank holds only its stages' part
@@ -168,13 +169,13 @@ def check_cut(
         if dist.is_initialized():
             dist.all_reduce(parted, op=dist.ReduceOp.MAX)
         if parted.item():  # every rank: one more probe step, each module's output against the uncut one's
-            first = _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum, kw)
+            first = _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum)
             where = f"at {first[0]} (its output off by {first[1]:.2g})" if first else "in the gradients"
             raise UsageError(
                 f"{strategy}: the cut model does not compute the model: on {len(all_mbs) * size} probe "
                 f"samples its loss is {cut_loss:.6g} against {ref_loss:.6g} uncut, and the two first part {where}: "
                 f"something there mixes what {strategy} cuts in a way it does not carry; "
-                f"{kw.get('way_out', 'train it with train_ddp.py')} (or, knowing the run is wrong, --skip_cut_check)"
+                "train it with another strategy (or, knowing the run is wrong, --skip_cut_check)"
             )
     reference.to_empty(device="meta")  # the copy's memory back to the run
     if device.type == "cuda":
@@ -188,7 +189,7 @@ def check_cut(
             "model's forward (or, knowing the runs differ, --skip_cut_check)"
         )
     return (
-        f"cut checked: the {strategy} step on {len(all_mbs) * size} probe samples = the uncut model's "
+        f"cut checked: {strategy}'s step on {len(all_mbs) * size} probe samples = the uncut model's "
         f"(loss |Δ| {abs(cut_loss - ref_loss):.1e}, gradients max |Δ| {worst:.1e}), {time.perf_counter() - start:.1f} s"
     )
 
@@ -205,10 +206,10 @@ def _eval(model: nn.Module):
         model.train(was_training)
 
 
-def _cut_step(accelerator, model, step_fn, micro_batches, n_targets, grads_apart: bool):
+def _cut_step(accelerator, model, step_fn, micro_batches, n_targets, dp_group, dp_size: int):
     model.zero_grad(set_to_none=True)
     loss = accelerator.reduce(step_fn(micro_batches, n_targets).detach().float(), reduction="sum")
-    return float(loss / n_targets), whole_gradients(model, grads_apart)
+    return float(loss / n_targets), whole_gradients(model, dp_group, dp_size)
 
 
 def _first_output(output):
@@ -226,7 +227,7 @@ def _plain_name(name: str) -> str:
     return name
 
 
-def _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum, kw):
+def _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum):
     """(module name, gap) of the first module, in the cut model's order of execution, whose output on
     this rank's first probe micro-batch differs from the uncut model's on the same samples (CP: at this
     rank's positions); None if no output it can compare differs."""
@@ -254,7 +255,7 @@ def _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp
     finally:
         for h in hooks:
             h.remove()
-    positions, seen = kw.get("token_positions"), set()
+    positions, seen = getattr(step_fn, "token_positions", None), set()
     for name, out in cut:
         if name in seen or out is None or uncut.get(name) is None:
             continue
