@@ -37,7 +37,7 @@ from common.launch import WORLD_SIZE_VARS, make_accelerator, run_main
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.task import check_task_contract
-from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, restride_buffers
 
 
 # ======================================== DDP: the strategy
@@ -131,6 +131,7 @@ def main():
         from common.sync_batchnorm import sync_batchnorm  # imported only by a run that asks for it
 
         sync_batchnorm(model, accelerator.device)
+    restride_buffers(model)  # DDP: its broadcast of the buffers refuses a transposed one (the same values, laid out)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
     probe_step = partial(ddp_forward_backward, accelerator, model, task, dp_size=dp_size)  # DDP: the step, on a probe

@@ -77,7 +77,7 @@ from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.sharded import launcher_sharding
 from common.task import check_task_contract
-from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, restride_buffers, unit_modules
 
 
 # ======================================== Local SGD and DiLoCo: the strategy
@@ -536,6 +536,7 @@ def main():
     fragments = split_fragments(model, units, args.fragments)
     # Accelerate: wraps the model in DistributedDataParallel (kept in no_sync below), moves everything to
     # the device, and shards the loader: rank r takes every dp_size-th micro-batch.
+    restride_buffers(model)  # Local SGD: DDP's start-up broadcast refuses a transposed buffer (the same values)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     no_sync = accelerator.no_sync(model)  # Local SGD: DDP never all-reduces the gradients from here on
     no_sync.__enter__()

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import time
 
@@ -224,3 +225,22 @@ def test_frozen_peer_ends_the_run_after_the_collective_timeout(tmp_path, data_ca
     finally:
         for p in procs:
             kill_tree(p.pid)
+
+
+def test_a_buffer_with_unusual_strides_trains_under_ddp(tmp_path, data_cache):
+    """pytorch/examples' TransformerModel keeps its positional table as zeros(L, 1, d).transpose(0, 1): strides
+    DDP's coalesced buffer broadcast refuses (it was a one-line refusal blaming the model's forward). The DDP
+    lesson lays such buffers out row-major first (the same values): 2 processes = 1 within 1e-5."""
+    copy = tmp_path / "scripts"
+    shutil.copytree(SCRIPTS / "common", copy / "common")
+    text = (SCRIPTS / "train_ddp.py").read_text()
+    line = "    model, task = language_model(args, data)\n"
+    assert text.count(line) == 1
+    odd = line + '    model.register_buffer("table", torch.zeros(8, 1, 4).transpose(0, 1))  # unusual strides\n'
+    (copy / "train_ddp.py").write_text(text.replace(line, odd))
+    runs = {}
+    for nproc, batch in ((1, "16"), (2, "8")):
+        runs[nproc] = tmp_path / f"run{nproc}"
+        flags = [*TINY, "--max_steps", "3", "--batch_size", batch, "--data_cache_dir", data_cache]
+        launch(str(copy / "train_ddp.py"), [*flags, "--output_dir", str(runs[nproc])], nproc=nproc)
+    assert_same_losses(train_losses(runs[1]), train_losses(runs[2]), range(1, 4), 1e-5)

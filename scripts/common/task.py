@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -202,9 +203,21 @@ def _call(task: Task, method: str, *args):
     except Exception as e:
         where = "the model's forward, model(*Task.inputs(batch))," if method == "loss_of" else f"Task.{method}"
         raise UsageError(
-            f"{where} raised {type(e).__name__} on 4 validation samples: {str(e).splitlines()[0] if str(e) else ''}; "
-            f"{CONTRACT}"
+            f"{where} raised {type(e).__name__} on 4 validation samples{_inside_torch(e)}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}; {CONTRACT}"
         ) from None
+
+
+def _inside_torch(error: Exception) -> str:
+    """ " inside torch (file: f -> g -> h)" where the error came from torch's own code after the last line of
+    the model's or the script's (a wrapper such as DDP's, not the model, may be what failed)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [i for i, f in enumerate(frames) if f"{os.sep}torch{os.sep}" not in f.filename]
+    inner = [f for f in (frames[own[-1] + 1 :] if own else frames) if not f.filename.endswith("module.py")]
+    if not inner:
+        return ""
+    path = inner[0].filename.split(f"{os.sep}torch{os.sep}")[-1]  # nn/parallel/distributed.py: DDP's own
+    return f" inside torch (torch/{path}: {' -> '.join(f.name for f in inner[:4])})"
 
 
 def _is_number(value) -> bool:

@@ -36,6 +36,19 @@ def unit_modules(units) -> list:
     return [u for u in (units.values() if isinstance(units, torch.nn.ModuleDict) else units) if has_parameters(u)]
 
 
+def restride_buffers(model) -> int:
+    """Give every buffer with unusual strides (a size-1 dimension's stride not the row-major one, as a
+    transpose leaves it) the row-major layout, values unchanged; returns how many. DDP broadcasts the
+    buffers before each forward, and its coalesced broadcast refuses such a tensor ("some elements of
+    the input tensor and the written-to tensor refer to a single memory location")."""
+    changed = 0
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.stride() != torch.empty(buffer.shape).stride():
+                module._buffers[name], changed = buffer.clone(memory_format=torch.contiguous_format), changed + 1
+    return changed
+
+
 def make_optimizer(model, args) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not biases, norms), or plain SGD. Each kind of parameter
     (plain, or a DTensor's mesh and placements) gets its own group, so the multi-tensor kernels run:
