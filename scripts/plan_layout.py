@@ -499,9 +499,10 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
             if s > 0:  # activations from the previous stage, their gradients to it
                 step.add("pp", "recv", m, boundary)
                 step.add("pp", "send", m, boundary)
-        # The first step: the stages agree on shapes (a vote, then metadata each way: 3 sends and 3
-        # receives of a few hundred bytes for stage 0) and run one real forward to learn them.
-        if rank.has_first and args.stages_per_rank == 1:
+        # The pipeline's first call: the stages agree on shapes (a vote, then metadata each way: 3 sends and
+        # 3 receives of a few hundred bytes for stage 0) and run one real forward to learn them. That is the
+        # cut check's probe step, before step 1, unless --skip_cut_check makes it the run's first step.
+        if rank.has_first and args.stages_per_rank == 1 and getattr(args, "skip_cut_check", False):
             first.add("pp", "send", 3, 0)
             first.add("pp", "recv", 3, 0)
             if layout.tp > 1:
@@ -884,6 +885,12 @@ def build_args() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", default="adamw", help="adamw | sgd (plain SGD keeps no state)")
     g.add_argument(
         "--activation_checkpointing", action="store_true", help="recompute each block's activations in backward"
+    )
+    g.add_argument(
+        "--skip_cut_check",
+        action="store_true",
+        help="as the scripts' flag: without the start-up cut check, the run's first step is also the pipeline's "
+        "first call (its stages agree on shapes then); with it, the check's probe step did that before step 1",
     )
     g.add_argument(
         "--unsharded_accumulation",
