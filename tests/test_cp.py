@@ -151,11 +151,9 @@ def test_bad_input_is_refused_with_one_line(tmp_path, text_files, data_cache):
     assert not out.exists() or not any(out.iterdir()), "a refused run wrote output"
 
 
-def test_a_model_of_your_own_needs_only_the_two_methods(tmp_path, data_cache):
-    """A copy of train_cp.py whose MODEL section builds a model of one's own (tests/cp_own_model/own_model.py:
-    no GPTConfig, no 🤗 config; its Task implements set_attention and forward_at, nothing else of CP):
-    cp 2 on 2 processes matches its one-process run within 1e-5, and the ring's bytes, measured from the
-    model through the contract, are the summary's."""
+def own_model_copy(tmp_path, then: str = ""):
+    """A copy of scripts/ whose train_cp.py builds tests/cp_own_model/own_model.py's model in its MODEL
+    section (then runs the lines `then`); returns the copy's folder."""
     copy = tmp_path / "scripts"
     shutil.copytree(SCRIPTS / "common", copy / "common")
     shutil.copy(SCRIPTS / "train_fsdp.py", copy / "train_fsdp.py")  # its FSDP, which train_cp.py imports
@@ -164,8 +162,17 @@ def test_a_model_of_your_own_needs_only_the_two_methods(tmp_path, data_cache):
     line = "    model, task = language_model(args, data)\n"
     assert text.count(line) == 1
     (copy / "train_cp.py").write_text(
-        text.replace(line, "    from own_model import build\n\n    model, task = build(data)\n")
+        text.replace(line, "    from own_model import build\n\n    model, task = build(data)\n" + then)
     )
+    return copy
+
+
+def test_a_model_of_your_own_needs_only_the_two_methods(tmp_path, data_cache):
+    """A copy of train_cp.py whose MODEL section builds a model of one's own (tests/cp_own_model/own_model.py:
+    no GPTConfig, no 🤗 config; its Task implements set_attention and forward_at, nothing else of CP):
+    cp 2 on 2 processes matches its one-process run within 1e-5, and the ring's bytes, measured from the
+    model through the contract, are the summary's."""
+    copy = own_model_copy(tmp_path)
     runs = {}
     for nproc in (1, 2):
         runs[nproc] = tmp_path / f"run{nproc}"
@@ -197,15 +204,8 @@ def test_a_model_of_your_own_needs_only_the_two_methods(tmp_path, data_cache):
 def test_a_task_without_the_loss_of_some_tokens_is_refused(tmp_path, data_cache):
     """docs/cp.md lists what CP needs of a model of one's own: set_attention, forward_at, and the loss of
     some tokens of each sequence (next_token_targets, loss_at: CausalLMTask's). A Task without them is one
-    line before step 1, not a traceback; and a copy without the built-in flags (no --dropout) gets there."""
-    copy = tmp_path / "scripts"
-    shutil.copytree(SCRIPTS / "common", copy / "common")
-    shutil.copy(SCRIPTS / "train_fsdp.py", copy / "train_fsdp.py")  # its FSDP, which train_cp.py imports
-    shutil.copy(Path(__file__).with_name("cp_own_model") / "own_model.py", copy / "own_model.py")
-    text = (SCRIPTS / "train_cp.py").read_text()
-    line = "    model, task = language_model(args, data)\n"
-    own = "    from own_model import build\n\n    model, task = build(data)\n    task.loss_at = None\n"
-    (copy / "train_cp.py").write_text(text.replace(line, own))
+    line before step 1, not a traceback."""
+    copy = own_model_copy(tmp_path, "    task.loss_at = None\n")
     args = ["--addition_digits", "4", "--max_steps", "2", "--batch_size", "8", "--cp_size", "2"]
     out = tmp_path / "run"
     result = launch(
