@@ -7,14 +7,20 @@ the cut and the uncut model part; a cut that is the model says so in its start l
   rank attends within its own tokens (the run trained 3e-4 off, its start line saying 0 MiB of ring traffic);
 - Mistral's 8-token sliding window handed to neither (as before the window gate): 1e-4 to 5e-3 off;
 - a tied embedding and output layer cut by TP with both tie gates off: two weights, initialised apart;
-- Mistral under the ring with its window: checked, and --skip_cut_check is said."""
+- Mistral under the ring with its window: checked, and --skip_cut_check is said;
+- a model too large for one rank: checked as a shrunken copy of its architecture (common/shrunk.py), or,
+  a model of one's own, skipped with the reason."""
 
 import json
 import re
+import sys
 
 import pytest
+import torch
 
 from conftest import SCRIPTS, TINY, launch_cmd, run_cmd, run_in_turn
+
+sys.path.insert(0, str(SCRIPTS))
 
 pytestmark = pytest.mark.xdist_group("cut_check")
 
@@ -52,10 +58,15 @@ def test_unnamed_cuts_are_refused_and_a_true_cut_is_checked(tmp_path, data_cache
         [str(SCRIPTS / "train_cp.py"), [*common, "--model_config", str(paths["bloom"]), "--cp_impl", "ulysses"]],
         [str(SCRIPTS / "train_cp.py"), [*common, "--model_config", str(paths["mistral"])]],
         [str(SCRIPTS / "train_ddp.py"), [*FLAGS, "--data_cache_dir", data_cache, "--skip_cut_check"]],
+        # every model 'too large for one rank': checked on a shrunken copy, the same script up to its check
+        [str(SCRIPTS / "train_tp.py"), [*FLAGS, "--data_cache_dir", data_cache, "--model_config", str(paths["llama"])]],
+        [str(SCRIPTS / "train_pp.py"), [*FLAGS, "--data_cache_dir", data_cache]],
+        [str(SCRIPTS / "train_cp.py"), [*common, "--model_config", str(paths["bloom"])]],
     ]
     for i, case in enumerate(cases):
         case[1] += ["--output_dir", str(tmp_path / f"run{i}")]
-    ring, ulysses, window_kept, skipped = run_in_turn(cases, 2, tmp_path / "in_turn")
+        case += [{"CUT_CHECK_MAX_BYTES": "0"}] if i >= 4 else []
+    ring, ulysses, window_kept, skipped, *shrunken = run_in_turn(cases, 2, tmp_path / "in_turn")
     assert_refused(ring, "train_cp.py", "transformer.h.0.self_attention")  # ALiBi: CP's attention is not called
     assert_refused(ulysses, "train_cp.py", "transformer.h.0.self_attention")
     assert window_kept["returncode"] == 0, window_kept["stderr"][-3000:]
@@ -64,6 +75,18 @@ def test_unnamed_cuts_are_refused_and_a_true_cut_is_checked(tmp_path, data_cache
     gaps = [float(re.match(r"[-+.e\d]+\d", x).group()) for x in checked[0].split("|Δ| ")[1:]]
     assert max(gaps) <= 1e-5, checked[0]
     assert "cut check: skipped (--skip_cut_check)" in skipped["stdout"], skipped["stdout"][-3000:]
+    tp, pp, bloom = shrunken
+    for i, run, strategy, shape in (
+        (4, tp, "train_tp.py", "2 layers x 64 wide"),
+        (5, pp, "train_pp.py", "2 layers x 32 wide"),
+    ):
+        assert run["returncode"] == 0, run["stderr"][-3000:]
+        line = next((x for x in run["stdout"].splitlines() if "cut checked: " in x), run["stdout"][-3000:])
+        assert f"cut checked: {strategy}'s step" in line and f"on a shrunken copy, {shape}" in line, line
+        assert "train" in (tmp_path / f"run{i}" / "metrics.jsonl").read_text(), "the run trains on after the check"
+        assert not (tmp_path / f"run{i}" / ".shrunken_cut_check").exists()
+    assert_refused(bloom, "train_cp.py", "transformer.h.0.self_attention")  # refused on the copy as on the whole
+    assert "(on a shrunken copy, 2 layers x 64 wide: the whole model is too large" in error_lines(bloom["stderr"])[0]
 
 
 @pytest.mark.parametrize(
@@ -85,3 +108,34 @@ def test_a_gate_turned_off_is_caught_by_the_cut_check(gate, script, flags, strat
         not (tmp_path / "run" / "metrics.jsonl").exists()
         or "train" not in (tmp_path / "run" / "metrics.jsonl").read_text()
     )
+
+
+def test_every_family_shrinks_into_a_model_that_builds(monkeypatch):
+    """The shrunken copy of each family the zoo knows, from transformers' own full-size config: it builds,
+    keeps its heads and experts, and is small (WORLD_SIZE 2: 4 layers at most)."""
+    from more_zoo_configs import MORE_FAMILIES
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from zoo_configs import FAMILIES
+
+    from common.shrunk import shrunk_hf_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for family in sorted({f.removesuffix("_window16") for f in [*FAMILIES, *MORE_FAMILIES]}):
+        big = AutoConfig.for_model(family).to_dict()
+        small = shrunk_hf_config(big)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**small))
+        n_params = sum(p.numel() for p in model.parameters())
+        layers = next(small[k] for k in ("num_hidden_layers", "n_layer") if k in small)
+        assert layers <= 4 and n_params < 3e8, (family, layers, n_params)
+        for kept in ("num_attention_heads", "num_key_value_heads", "num_local_experts", "num_experts", "vocab_size"):
+            assert small.get(kept) == big.get(kept), (family, kept)
+
+
+def test_a_model_of_ones_own_too_large_is_skipped_with_the_reason(monkeypatch):
+    from common.cut_check import uncut_copy
+
+    monkeypatch.setenv("CUT_CHECK_MAX_BYTES", "0")
+    line = uncut_copy(torch.nn.Linear(4, 4), task=object())
+    too_large = "cut check: skipped (the whole model (0.0 GiB) is too large to copy onto one rank; a model of one's own"
+    assert line.startswith(too_large), line

@@ -4,12 +4,14 @@ Start-up dominates a tiny run on this machine (4-5 s per process: torch, transfo
 group), so the zoo matrix (test_hf_zoo.py) runs every family of one script in one launch: each case is
 `python scripts/<script> <args>` run as __main__ in this interpreter, on the process group the first
 case made (kept alive between the cases; Accelerate's singletons are reset). CASES.json:
-{"cases": [[script path, [args]], ...], "results": path}; rank 0 writes [{"returncode", "stdout", "stderr"}, ...].
+{"cases": [[script path, [args](, {env: the case's own})], ...], "results": path}; rank 0 writes
+[{"returncode", "stdout", "stderr"}, ...].
 Used by the zoo, the 🤗 EP and PP-stage tests, and shared_run.in_turn (tests/conftest.py)."""
 
 import contextlib
 import io
 import json
+import os
 import runpy
 import sys
 import traceback
@@ -26,8 +28,10 @@ common.faults.USAGE_ERROR_GRACE_S = 0  # a refusal is every rank's here, and ran
 keep_group = dist.destroy_process_group
 dist.destroy_process_group = lambda *a, **k: None  # the next case runs on the same group
 results = []
-for script, args in spec["cases"]:
+for script, args, *env in spec["cases"]:
     sys.argv, out, err, code = [script, *args], io.StringIO(), io.StringIO(), 0
+    kept_env = dict(os.environ)
+    os.environ.update(*env)  # a case's own variables, for it alone
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             runpy.run_path(script, run_name="__main__")
@@ -37,6 +41,8 @@ for script, args in spec["cases"]:
             code = 1
             err.write(traceback.format_exc())
     results.append({"returncode": code, "stdout": out.getvalue()[-8000:], "stderr": err.getvalue()[-4000:]})
+    os.environ.clear()
+    os.environ.update(kept_env)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     if dist.is_initialized() and dist.get_world_size() > 1:

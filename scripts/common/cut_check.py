@@ -11,18 +11,21 @@ validation samples, against the uncut model on one rank (the same weights, gathe
 
 Nothing here knows a family, a mask or a plan: a cut that changes what the model computes (a bias the
 attention replacement drops, a layer that mixes tokens across a sequence cut, a tied weight cut alike on
-one side only) shows in the numbers, whatever its name. What it cannot see: a model too large for one rank
-(said, and skipped), and layouts whose micro-batches group samples differently, where a model whose
-outputs depend on its batch's other samples is refused in its own line."""
+one side only) shows in the numbers, whatever its name. A model too large for one rank is checked on a
+shrunken copy of its architecture (common/shrunk.py; a model of one's own: skipped, and said). What it
+cannot see: layouts whose micro-batches group samples differently, where a model whose outputs depend on
+its batch's other samples is refused in its own line."""
 
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from accelerate.utils import send_to_device
@@ -35,24 +38,44 @@ from .errors import UsageError
 
 PROBE_SAMPLES = 2  # per micro-batch: enough to batch, cheap on any model
 REFERENCE_BYTES_MAX = 4 * 2**30  # a whole copy beyond this stays unbuilt: the check says it was skipped
+SHRUNKEN: list[str] = []  # while common/shrunk.py runs the script on a shrunken copy: its words
+
+
+class ShrunkenChecked(Exception):
+    """Raised by check_cut in a shrunken copy's run, with its start line: that run stops there."""
+
+
 RTOL = {"no": 1e-4, "bf16": 5e-2, "fp16": 5e-2}  # of each gradient's largest entry (and of the loss)
 
 
 def uncut_copy(model: nn.Module, task, skip: bool = False):
     """A whole copy of the model as the MODEL section built it, on the CPU (a 🤗 model still on the meta
-    device is made whole there, its weights overwritten by the run's own at the check), or the reason
-    there is none: a str."""
+    device is made whole there, its weights overwritten by the run's own at the check), or, where there
+    is none, the start line: a str. A model too large for one rank is checked as a shrunken copy
+    of its architecture (common/shrunk.py: the same script, up to its check, on the same config narrowed)."""
     if skip:
-        return "--skip_cut_check"
+        return "cut check: skipped (--skip_cut_check): nothing proves that the cut computes the model"
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if n_bytes > REFERENCE_BYTES_MAX:
-        return f"the whole model ({n_bytes / 2**30:.1f} GiB) is too large to copy onto one rank"
+    if n_bytes > reference_bytes_max() and not SHRUNKEN:
+        from .shrunk import check_shrunken_copy  # imported only by a run whose model is too large
+
+        return check_shrunken_copy(model, task, n_bytes)
     reference = copy.deepcopy(model)
     if any(p.is_meta for p in reference.parameters()):
         to_empty_keeping_ties(reference, "cpu")
         with torch.random.fork_rng(devices=[]):  # its buffers (rotary tables) made as the run's are
             task.materialize(reference)
     return reference.to("cpu")
+
+
+def reference_bytes_max() -> float:
+    """The largest whole copy a rank makes: 4 GiB (its probe step stays in seconds on a CPU), less where
+    the host's free memory, shared by its processes, could not hold it three times (weights, gradients,
+    activations). CUT_CHECK_MAX_BYTES sets it (0: always the shrunken copy)."""
+    if "CUT_CHECK_MAX_BYTES" in os.environ:
+        return float(os.environ["CUT_CHECK_MAX_BYTES"])
+    free = psutil.virtual_memory().available / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return min(REFERENCE_BYTES_MAX, free / 3)
 
 
 def to_empty_keeping_ties(model: nn.Module, device) -> None:
@@ -145,8 +168,8 @@ def check_cut(accelerator, model, step_fn, reference, task, validation, grad_acc
     mode and its gradients are left as they were (no gradients), so the run that follows is the run
     without the check."""
     strategy = Path(sys.argv[0]).name  # the lesson: train_cp.py
-    if isinstance(reference, str):
-        return f"cut check: skipped ({reference}): nothing proves that the cut computes the model"
+    if isinstance(reference, str):  # the start line already: skipped, or checked on a shrunken copy
+        return reference
     start = time.perf_counter()
     dp_rank, dp_size = (layout.dp_rank, layout.dp) if layout else (accelerator.process_index, accelerator.num_processes)
     device, rtol = accelerator.device, RTOL.get(accelerator.mixed_precision, RTOL["bf16"])
@@ -171,8 +194,9 @@ def check_cut(accelerator, model, step_fn, reference, task, validation, grad_acc
         if parted.item():  # every rank: one more probe step, each module's output against the uncut one's
             first = _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum)
             where = f"at {first[0]} (its output off by {first[1]:.2g})" if first else "in the gradients"
+            on = f" ({SHRUNKEN[0]})" if SHRUNKEN else ""
             raise UsageError(
-                f"{strategy}: the cut model does not compute the model: on {len(all_mbs) * size} probe "
+                f"{strategy}: the cut model does not compute the model{on}: on {len(all_mbs) * size} probe "
                 f"samples its loss is {cut_loss:.6g} against {ref_loss:.6g} uncut, and the two first part {where}: "
                 f"something there mixes what {strategy} cuts in a way it does not carry; "
                 "train it with another strategy (or, knowing the run is wrong, --skip_cut_check)"
@@ -188,10 +212,13 @@ def check_cut(accelerator, model, step_fn, reference, task, validation, grad_acc
             "that changes the micro-batch would not be the run on one process; find what mixes samples in the "
             "model's forward (or, knowing the runs differ, --skip_cut_check)"
         )
-    return (
+    line = (
         f"cut checked: {strategy}'s step on {len(all_mbs) * size} probe samples = the uncut model's "
         f"(loss |Δ| {abs(cut_loss - ref_loss):.1e}, gradients max |Δ| {worst:.1e}), {time.perf_counter() - start:.1f} s"
     )
+    if SHRUNKEN:  # the shrunken copy's run ends here: its line is the run's
+        raise ShrunkenChecked(f"{line}, {SHRUNKEN[0]}")
+    return line
 
 
 @contextmanager
