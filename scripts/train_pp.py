@@ -68,6 +68,7 @@ from common.pipeline import (
 )
 from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
+from common.task import check_task_contract
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
 
 
@@ -525,7 +526,7 @@ def main():
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
-    # PP: no check_task_contract (train_fsdp.py's): it runs the whole model on one rank, and here no rank holds it
+    check_task_contract(task, reference, data.validation, "cpu")  # PP: on the uncut copy (no rank holds the model)
     probe_step = pipeline  # PP: the schedule, on a probe
     probe_step.micro_batch_size = args.batch_size  # PP: the shapes its stages send each other
     cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)

@@ -5,7 +5,8 @@
 
 GATE: `window`, the ring and Ulysses are handed no layer's sliding window (as before the window gate
 existed); `ties`, a 🤗 model keeps its tied embeddings and TP's two tie refusals are off; `crash`, rank 1
-raises a ValueError of its own at step 2 (tests/test_faults.py); `none`."""
+raises a ValueError of its own at step 2 (tests/test_faults.py); `mean`, the built-in models' loss is
+returned as a mean; `none`."""
 
 import os
 import runpy
@@ -50,5 +51,15 @@ elif gate == "crash":
         return next_step(self)
 
     common.training.StepFeed.next_step = crashing
+elif gate == "mean":  # the built-in models' loss returned as a mean (what check_task_contract refuses)
+    import common.causal_lm
+
+    loss = common.causal_lm.CausalLMTask.loss
+
+    def mean(self, outputs, targets):
+        loss_sum, n_targets = loss(self, outputs, targets)
+        return loss_sum / n_targets, n_targets
+
+    common.causal_lm.CausalLMTask.loss = mean
 sys.argv = [script, *args]
 runpy.run_path(script, run_name="__main__")

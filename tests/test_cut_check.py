@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SCRIPTS, TINY, launch_cmd, run_cmd, run_in_turn
+from conftest import REPO, SCRIPTS, TINY, launch_cmd, run_cmd, run_in_turn
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -62,11 +62,14 @@ def test_unnamed_cuts_are_refused_and_a_true_cut_is_checked(tmp_path, data_cache
         [str(SCRIPTS / "train_tp.py"), [*FLAGS, "--data_cache_dir", data_cache, "--model_config", str(paths["llama"])]],
         [str(SCRIPTS / "train_pp.py"), [*FLAGS, "--data_cache_dir", data_cache]],
         [str(SCRIPTS / "train_cp.py"), [*common, "--model_config", str(paths["bloom"])]],
+        # the last: its gate stays on in the process. No rank holds the model: the contract runs on the copy
+        [str(REPO / "tests" / "cut_check_driver.py"), ["mean", str(SCRIPTS / "train_pp.py"), *FLAGS]],
     ]
+    cases[-1][1] += ["--data_cache_dir", data_cache]
     for i, case in enumerate(cases):
         case[1] += ["--output_dir", str(tmp_path / f"run{i}")]
-        case += [{"CUT_CHECK_MAX_BYTES": "0"}] if i >= 4 else []
-    ring, ulysses, window_kept, skipped, *shrunken = run_in_turn(cases, 2, tmp_path / "in_turn")
+        case += [{"CUT_CHECK_MAX_BYTES": "0"}] if 4 <= i < 7 else []
+    ring, ulysses, window_kept, skipped, *shrunken, mean = run_in_turn(cases, 2, tmp_path / "in_turn")
     assert_refused(ring, "train_cp.py", "transformer.h.0.self_attention")  # ALiBi: CP's attention is not called
     assert_refused(ulysses, "train_cp.py", "transformer.h.0.self_attention")
     assert window_kept["returncode"] == 0, window_kept["stderr"][-3000:]
@@ -87,6 +90,8 @@ def test_unnamed_cuts_are_refused_and_a_true_cut_is_checked(tmp_path, data_cache
         assert not (tmp_path / f"run{i}" / ".shrunken_cut_check").exists()
     assert_refused(bloom, "train_cp.py", "transformer.h.0.self_attention")  # refused on the copy as on the whole
     assert "(on a shrunken copy, 2 layers x 64 wide: the whole model is too large" in error_lines(bloom["stderr"])[0]
+    assert mean["returncode"] == 2 and error_lines(mean["stderr"]), mean["stderr"][-3000:]
+    assert error_lines(mean["stderr"])[0].startswith("error: the loss of a micro-batch is not a sum"), mean["stderr"]
 
 
 @pytest.mark.parametrize(
