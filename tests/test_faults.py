@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,9 +54,9 @@ FLAGS = [
 ]
 
 
-def kill_rank_during_save(script: str, args: list[str], out, step: int, rank: int) -> str:
+def kill_rank_during_save(script: str, args: list[str], out, step: int, rank: int) -> tuple[str, int]:
     """Launch on 2 processes; the moment checkpoints/.tmp_step_<step> appears, SIGKILL `rank`.
-    Returns the launch's stderr."""
+    Returns the launch's stderr and the killed process's pid."""
     proc = subprocess.Popen(
         launch_cmd(script, [*args, "--output_dir", str(out)], nproc=2),
         cwd=REPO,
@@ -76,7 +77,7 @@ def kill_rank_during_save(script: str, args: list[str], out, step: int, rank: in
         victim.send_signal(signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode != 0, "the launch must report the killed rank"
-        return err
+        return err, victim.pid
     finally:
         kill_tree(proc.pid)
 
@@ -88,9 +89,14 @@ def test_kill_during_a_sharded_save_resumes_from_the_previous_checkpoint(tmp_pat
     uninterrupted run's: the resumed run's steps 6-10 must equal them."""
     args = [*FLAGS, "--data_cache_dir", data_cache]
     out = tmp_path / "run"
-    err = kill_rank_during_save("train_fsdp.py", args, out, step=STEPS, rank=1)
-    # the surviving rank says what happened, in one line (a dead peer: its connections closed)
-    assert re.search(rf"error: step {STEPS}: \S+.* lost its connection to a peer", err), err[-3000:]
+    err, killed = kill_rank_during_save("train_fsdp.py", args, out, step=STEPS, rank=1)
+    # the surviving rank says what happened, in one line (a dead peer: its connections closed), and which
+    # peer it lost: a SIGKILL leaves no traceback, so rank 1 is named from its pid, gone from this host
+    line = re.search(rf"error: step {STEPS}: \S+.* lost its connection to a peer.*", err)
+    assert line, err[-3000:]
+    host = re.escape(socket.gethostname())  # ", killed by SIGKILL" where the launcher has not collected it yet
+    named = rf"Rank 1 \(pid {killed} on host {host}(, killed by SIGKILL)?\) is gone\. "
+    assert re.search(named, line[0]), line[0]
     checkpoints = out / "checkpoints"
     assert not (checkpoints / f"step_{STEPS}").exists(), (
         "the kill came after the save completed: the test proved nothing"
@@ -205,5 +211,74 @@ def test_a_rank_that_crashes_keeps_its_traceback_and_its_peer_names_it(tmp_path,
     kept = out / "logs" / "traceback_rank1.txt"
     assert result.returncode != 0 and kept.is_file(), result.stderr[-3000:]
     assert "ValueError: a bug of rank 1's own, at step 2" in kept.read_text()
-    lost = [line for line in result.stderr.splitlines() if line.startswith("error:") and "seen by rank 0" in line]
+    # not "a line that starts with": rank 0's progress bar (tqdm, no newline) can precede its line
+    lost = re.findall(r"error: [^\n]*seen by rank 0[^\n]*", result.stderr)
     assert lost and str(kept) in lost[0], result.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ which peer, in one process
+def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_guessed(tmp_path, monkeypatch):
+    """peers.named_peers on a table of peers as record_peers gathers it, without a launch: processes of
+    this machine (`sleep`) killed, reaped, stopped, running, or gone after marking themselves survivors; and
+    peers on other hosts, found only by the address in gloo's message. Only what is known is said: a survivor
+    that left first, a running peer, an address that two hosts hold, or one of this host's, names nobody."""
+    from common import faults, peers
+    from common.errors import RunPosition
+
+    monkeypatch.setattr(faults.torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(faults.torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(RunPosition, "output_dir", str(tmp_path))
+    monkeypatch.setattr(RunPosition, "started", time.time() - 1)
+    me = faults.this_process()
+    host = socket.gethostname()
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(5)]
+    try:
+
+        def peer(rank: int, proc=None, **facts) -> dict:
+            started = faults._proc_stat(proc.pid)[19] if proc else None
+            return me | {"rank": rank, "pid": proc.pid if proc else 0, "started": started} | facts
+
+        killed, reaped, stopped, running, survivor = sleepers
+        table = [me, peer(1, killed), peer(2, reaped), peer(3, stopped), peer(4, running), peer(5, survivor)]
+        table.append(peer(6, running, started="1"))  # its pid, since taken by another process
+        elsewhere = {"pid_space": "machine b", "net_space": "machine b", "host": "b", "addresses": ["10.0.0.2"]}
+        table.append(peer(7, **elsewhere))
+        for rank, name in ((8, "c"), (9, "c"), (10, "d")):  # c: 2 ranks; c and d both hold a docker bridge's
+            where = {"pid_space": f"machine {name}", "net_space": f"machine {name}", "host": name}
+            table.append(peer(rank, **where, addresses=["10.0.0.3", "172.17.0.1"] if name == "c" else ["172.17.0.1"]))
+        monkeypatch.setattr(faults, "PEERS", table)
+
+        def named(address: str = "127.0.0.1") -> str:
+            return peers.named_peers(RuntimeError(f"Connection closed by peer [{address}]:4528"))
+
+        assert named() == f" Rank 6 (pid {running.pid} on host {host}) is gone."  # the others are alive
+        (tmp_path / "logs" / "survivor_rank5.pid").write_text(f"{survivor.pid}\n")
+        for proc in (killed, reaped, survivor):
+            proc.send_signal(signal.SIGKILL)
+        reaped.wait(), survivor.wait()
+        stopped.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while [faults._proc_stat(p.pid)[0] for p in (killed, stopped)] != ["Z", "T"]:
+            assert time.monotonic() < deadline, "the signals did not arrive"
+            time.sleep(0.01)
+        this_host = [
+            f" Ranks 1 (pid {killed.pid} on host {host}, killed by SIGKILL), 2 (pid {reaped.pid} on host {host}) and"
+            f" 6 (pid {running.pid} on host {host}) are gone (a launcher ends its other workers when one fails: its"
+            ' "Root Cause (first observed failure)" names the first).',
+            f" Rank 3 (pid {stopped.pid} on host {host}) is stopped (SIGSTOP or a debugger).",
+        ]
+        assert named() == "".join(this_host)
+        assert (tmp_path / "logs" / "survivor_rank0.pid").read_text() == f"{os.getpid()}\n"
+        assert named("10.0.0.2") == "".join(this_host) + " Gloo's peer 10.0.0.2 is rank 7 (host b)."
+        assert named("10.0.0.3") == "".join(this_host) + " Gloo's peer 10.0.0.3 is one of ranks 8, 9 (host c)."
+        for unknown in ("172.17.0.1", "10.0.0.9", *me["addresses"]):  # two hosts, nobody's, this host's
+            assert named(unknown) == "".join(this_host), unknown
+
+        table[1:] = [peer(1, killed)]  # the SIGKILL of tests above: one peer, and it is named
+        assert named() == f" Rank 1 (pid {killed.pid} on host {host}, killed by SIGKILL) is gone."
+        monkeypatch.setattr(RunPosition, "output_dir", None)  # no mark can be left: a gone peer may be a survivor
+        assert named() == ""
+    finally:
+        for proc in sleepers:
+            proc.kill()
+            proc.wait()

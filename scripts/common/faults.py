@@ -1,9 +1,10 @@
 """How a run that fails says so: the one line for a collective that failed because a peer froze or
-died (gloo's and DCP's messages read here), the one line for a process group that could not connect
-because gloo listens on an interface the other nodes cannot reach, the line written for the
-launcher's failure table (TORCHELASTIC_ERROR_FILE), and the grace a rank gives rank 0 to report a
-bad-input error. A training run imports it when it fails (launch.run_main), and for the deadline on
-connecting its process group (launch.init_restart_safe_group)."""
+died (gloo's and DCP's messages read here), naming that peer where it can be known (PEERS), the one
+line for a process group that could not connect because gloo listens on an interface the other nodes
+cannot reach, the line written for the launcher's failure table (TORCHELASTIC_ERROR_FILE), and the
+grace a rank gives rank 0 to report a bad-input error. A training run imports it at set-up (who its
+peers are: launch.make_accelerator; the deadline on connecting its process group:
+launch.init_restart_safe_group) and when it fails (launch.run_main)."""
 
 from __future__ import annotations
 
@@ -70,9 +71,15 @@ def lost_peer_line(error: BaseException) -> str | None:
     rank = f"rank {torch.distributed.get_rank()}" if torch.distributed.is_initialized() else "this process"
     return (
         f"error: {RunPosition.describe()}: {collective_waited_for(error)} {what}; seen by {rank}"
-        f" ({_gloo_detail(error)}).{_kept_tracebacks()} Continue with --resume_from_checkpoint auto once every"
-        ' process can run (docs/troubleshooting.md, "A peer did not answer, or was lost")'
+        f" ({_gloo_detail(error)}).{_named_peers(error)}{_kept_tracebacks()} Continue with --resume_from_checkpoint"
+        ' auto once every process can run (docs/troubleshooting.md, "A peer did not answer, or was lost")'
     )
+
+
+def _named_peers(error: BaseException) -> str:
+    from .peers import named_peers  # imported only by a run that lost a peer
+
+    return named_peers(error)
 
 
 def _kept_tracebacks() -> str:
@@ -83,6 +90,53 @@ def _kept_tracebacks() -> str:
     kept = sorted(logs.glob("traceback_rank*.txt")) if logs and logs.is_dir() else []
     kept = [path for path in kept if path.stat().st_mtime >= RunPosition.started - 60]  # this run's (clocks differ)
     return f" The peer that crashed kept its traceback in: {', '.join(map(str, kept))}." if kept else ""
+
+
+# ----------------------------------------------------------------------------- which peer
+# Every rank's record (rank, host, pid, ...), gathered once at set-up by record_peers: a rank that loses a
+# peer names it from these and from /proc, with no collective (they are broken by then) and no network.
+PEERS: list[dict] = []
+
+
+def _namespace(kind: str) -> str | None:
+    """The machine (its boot id) and this process's `kind` namespace ("pid", "net"): a pid, or an address,
+    means the same process, or host, only to processes that share it. None off Linux."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat(f'/proc/self/ns/{kind}').st_ino}"
+    except OSError:
+        return None
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields from the third (the state) on; None where no such process is left."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def this_process() -> dict:
+    """This rank's record: who it is and where, as its peers will look for it."""
+    stat = _proc_stat(os.getpid())
+    return {
+        "rank": torch.distributed.get_rank(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": stat[19] if stat else None,  # clock ticks after boot: a pid taken again later differs
+        "pid_space": _namespace("pid"),
+        "net_space": _namespace("net"),
+        "addresses": sorted(a for a in interface_addresses().values() if not a.startswith("127.")),
+    }
+
+
+def record_peers() -> None:
+    """Every rank learns every rank's record: one small all_gather at set-up, nothing per step."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, this_process())
+        PEERS[:] = gathered
 
 
 def _gloo_detail(error: BaseException) -> str:

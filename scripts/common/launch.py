@@ -128,6 +128,9 @@ def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **acc
             f"{accelerator.num_processes}): launch with accelerate launch --config_file "
             "accelerate_configs/cpu_multi.yaml"
         )
+    from .faults import record_peers  # who is who: a rank that loses a peer names it (faults.lost_peer_line)
+
+    record_peers()
     if sharded:  # the script applies its strategy itself, on a device mesh (common/sharded.py)
         from .sharded import check_sharded_launch, init_one_process_group
 
