@@ -44,6 +44,7 @@ from common.data import load_data
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.exported import load_exported, task_spec_for
+from common.faults import line_on_sigterm
 from common.launch import make_accelerator, run_main
 
 
@@ -171,6 +172,7 @@ def main():
     args.report_to, args.output_dir = "none", None
 
     accelerator = make_accelerator(args)  # Accelerate: process group, device
+    line_on_sigterm()  # a peer that dies makes the launcher end this one: one line, not silence
     if own_task is None:
         data = load_data(args, accelerator, task.tokens_per_sample, getattr(task, "tokenizer", None))
         task.tokens_per_sample, task.data_task = data.seq_len, data.task  # what the model is scored on

@@ -6,7 +6,7 @@
 GATE: `window`, the ring and Ulysses are handed no layer's sliding window (as before the window gate
 existed); `ties`, a 🤗 model keeps its tied embeddings and TP's two tie refusals are off; `crash`, rank 1
 raises a ValueError of its own at step 2 (tests/test_faults.py); `mean`, the built-in models' loss is
-returned as a mean; `none`."""
+returned as a mean; `killed`, rank 1 is SIGKILLed as evaluation starts (evaluate.py); `none`."""
 
 import os
 import runpy
@@ -51,6 +51,21 @@ elif gate == "crash":
         return next_step(self)
 
     common.training.StepFeed.next_step = crashing
+elif gate == "killed":  # rank 1 is SIGKILLed as evaluation starts (evaluate.py; tests/test_faults.py)
+    import signal
+    import time
+
+    import common.evaluation
+
+    evaluate = common.evaluation.evaluate
+
+    def killed(*args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # rank 0 in no collective (gloo would see the loss first): the launcher's SIGTERM comes
+        return evaluate(*args, **kwargs)
+
+    common.evaluation.evaluate = killed
 elif gate == "mean":  # the built-in models' loss returned as a mean (what check_task_contract refuses)
     import common.causal_lm
 

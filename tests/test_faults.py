@@ -282,3 +282,37 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
         for proc in sleepers:
             proc.kill()
             proc.wait()
+
+
+def test_a_peer_killed_during_evaluate_py_leaves_one_line(tmp_path, data_cache):
+    """evaluate.py has no preemption handler: when rank 1 is SIGKILLed, the launcher ends rank 0 with SIGTERM,
+    which ended it in silence (exit != 0, no line). Now rank 0 says so in one line."""
+    launch(
+        "train_ddp.py",
+        [
+            *TINY,
+            "--max_steps",
+            "1",
+            "--eval_every",
+            "0",
+            "--data_cache_dir",
+            data_cache,
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+        nproc=1,
+    )
+    args = ["killed", str(SCRIPTS / "evaluate.py"), "--model_dir", str(tmp_path / "run" / "model")]
+    args += ["--data_cache_dir", data_cache, "--collective_timeout", "60"]
+    result = subprocess.run(
+        launch_cmd("../tests/cut_check_driver.py", args, nproc=2),
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    ended = re.findall(
+        r"error: evaluate.py was ended by SIGTERM: a launcher ends every process when one fails", result.stderr
+    )
+    assert result.returncode != 0 and ended, result.stderr[-3000:]

@@ -69,10 +69,11 @@ def lost_peer_line(error: BaseException) -> str | None:
     else:
         return None
     rank = f"rank {torch.distributed.get_rank()}" if torch.distributed.is_initialized() else "this process"
+    again = "Continue with --resume_from_checkpoint auto" if RunPosition.output_dir else "Run it again"  # evaluate.py
     return (
         f"error: {RunPosition.describe()}: {collective_waited_for(error)} {what}; seen by {rank}"
-        f" ({_gloo_detail(error)}).{_named_peers(error)}{_kept_tracebacks()} Continue with --resume_from_checkpoint"
-        ' auto once every process can run (docs/troubleshooting.md, "A peer did not answer, or was lost")'
+        f" ({_gloo_detail(error)}).{_named_peers(error)}{_kept_tracebacks()} {again} once every process can run"
+        ' (docs/troubleshooting.md, "A peer did not answer, or was lost")'
     )
 
 
@@ -260,6 +261,22 @@ def collective_waited_for(error: BaseException) -> str:
     else:
         name = "a collective"
     return name + where
+
+
+def line_on_sigterm() -> None:
+    """For a job with no preemption handler (evaluate.py): the launcher ends every process with SIGTERM when
+    one fails, which would end this one in silence; it says so in one line instead, naming a peer found gone."""
+
+    def ended(signum, frame):
+        line = (
+            f"error: {Path(sys.argv[0]).name} was ended by SIGTERM: a launcher ends every process when one fails"
+            f' (its "Root Cause" names that one), or the job was stopped.{_named_peers(RuntimeError())}'
+        )
+        print(line, file=sys.stderr, flush=True)
+        report_to_launcher(line)
+        os._exit(1)  # tearing the process group down could wait for the lost peer
+
+    signal.signal(signal.SIGTERM, ended)
 
 
 def report_to_launcher(message: str) -> None:
