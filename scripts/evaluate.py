@@ -44,8 +44,8 @@ from common.data import load_data
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.exported import load_exported, task_spec_for
-from common.faults import line_on_sigterm
 from common.launch import make_accelerator, run_main
+from common.peers import line_on_sigterm
 
 
 def build_parser() -> argparse.ArgumentParser:

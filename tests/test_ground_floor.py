@@ -36,9 +36,11 @@ TRAINING_SCRIPTS = [
 FLAGS = ["--model_size", "tiny", "--max_steps", "2", "--batch_size", "8", "--warmup_steps", "1", "--eval_every", "0"]
 # issue 29: a copy for a model of one's own carries at most this much of common/ (1,500 then). Issue 42 added
 # what every run now does before step 1 (the cut check, the trial export and the contract's evaluation cut,
-# the --output_dir lock, trainer_state.json's digest, a kept traceback): 2,154 lines, hence 2,300; the
-# lessons' redesign (issue 43) is to bring it down.
-OWN_MODEL_MAX_LINES = 2300
+# the --output_dir lock, trainer_state.json's digest, a kept traceback): 2,154 lines, hence 2,300; then the
+# peers' records gathered at set-up, the export written whole or not at all, the shrunken cut check's hook:
+# 2,586 (the trial checkpoint, peer naming and shrunken copy load only when a run needs them), hence 2,650.
+# The lessons' redesign (issue 43) is to bring it down.
+OWN_MODEL_MAX_LINES = 2650
 BUILT_IN_MODELS = ("common.model", "common.moe", "common.hf")
 
 

@@ -80,6 +80,7 @@ def refused(runs, tmp_path_factory, data_cache):
         "held": ("ddp", "held", []),
         "stale": ("ddp", "stale", []),
         "overlap_mix": ("diloco", {}, ["--overlap_mix", "0.25"]),
+        "model_missing": ("ddp", "model_missing", []),  # last: it runs to its end (no step), writing model/
     }
     specs, copies = [], {}
     for name, (source, damage, flags) in cases.items():
@@ -91,6 +92,8 @@ def refused(runs, tmp_path_factory, data_cache):
             edit_state(copy, **damage)
         if damage == "stale":  # a run killed without releasing its lock: the file is there, nobody holds it
             (copy / ".run.lock").write_text(json.dumps({"host": "vm0", "pid": 4243, "started": "2026-01-01 01:00"}))
+        if damage == "model_missing":  # trained to step 4, its export failed (a full disk): no model/
+            shutil.rmtree(copy / "model")
         copies[name] = copy
         script = "train_ddp.py" if source == "ddp" else "train_localsgd.py"
         args = [*TINY, *(OVERLAP if source == "diloco" else []), *resume, "--output_dir", copy]
@@ -98,7 +101,7 @@ def refused(runs, tmp_path_factory, data_cache):
             args += [flag for flag in data if flag != "--document_mask"]
         else:
             args += [*data, *flags]
-        if name == "stale":  # already at --max_steps 4: nothing to do once the lock is taken over
+        if name in ("stale", "model_missing"):  # already at --max_steps 4: nothing to train
             args[args.index("6")] = "4"
         specs.append((name, script, args))
     before = {name: tree_digest(copies[name]) for name in cases}
@@ -162,6 +165,18 @@ def test_a_killed_runs_lock_is_taken_over_and_said(refused):
     assert line in result.stdout
     assert "nothing to do" in result.stdout
     assert not (run / ".run.lock").exists(), "the lock is released at the run's end"
+
+
+def test_a_finished_run_without_its_model_writes_it_from_the_last_checkpoint(refused):
+    """What the line of a failed export says: the checkpoint at --max_steps resumes, trains no step, writes model/."""
+    result, run, _, _ = refused["model_missing"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{run / 'model'} is missing: writing it from {run / 'checkpoints' / 'step_4'} (no step to train)" in (
+        result.stdout
+    )
+    assert (run / "model" / "model.safetensors").is_file() and (run / "model" / "config.json").is_file()
+    summary = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "summary"]
+    assert summary[-1]["steps"] == 0 and summary[-1]["final_step"] == 4, summary[-1]
 
 
 def test_a_held_lock_refuses_every_rank_of_a_two_process_run(runs, tmp_path, data_cache):
@@ -242,6 +257,86 @@ def test_a_read_only_output_dir_is_one_line_before_step_1(tmp_path, data_cache):
         for out, result in zip(outs, results, strict=True):
             assert_refused(result, f"--output_dir {out} cannot be written (Read-only file system)")
             assert "train:" not in result.stderr
+
+
+# ---------------------------------------------------------------- what would fail after training, tried before step 1
+def test_a_checkpoint_that_cannot_be_written_fails_before_step_1(tmp_path, data_cache):
+    """A disk too small for one checkpoint: the trial save before step 1 (each rank writes its part, as the run's
+    saves do) fails in one line, nothing trained, nothing left (no trial folder, no lock, no run folder). It
+    failed at the first checkpoint, after training, before."""
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        out = disk / "run"
+        flags = ["--max_steps", "4", "--checkpoint_every", "2"]
+        result = launch_tiny("train_ddp.py", out, data_cache, *flags, nproc=2, check=False, timeout=120)
+        assert_refused(
+            result,
+            f"a trial checkpoint before step 1 could not be written to {out / '.trial_checkpoint'} "
+            "(No space left on device",
+            "free space there, or give another --output_dir",
+        )
+        assert "train:" not in result.stderr
+        assert not out.exists(), sorted(out.rglob("*"))
+
+
+class LockedSchedule:
+    """An LR schedule holding something torch.save cannot pickle (a lock): LambdaLR saves its __dict__."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __call__(self, step: int) -> float:
+        return 1.0
+
+
+def test_a_state_that_cannot_be_saved_fails_before_step_1(tmp_path, state):
+    from types import SimpleNamespace
+
+    from common.checkpoint import check_resume_and_output, load_checkpoint, release_output_dir
+    from common.task import Task
+
+    accelerator = SimpleNamespace(
+        is_main_process=True, process_index=0, num_processes=1, wait_for_everyone=lambda: None, print=print
+    )
+    args = argparse.Namespace(
+        output_dir=str(tmp_path / "run"), resume_from_checkpoint=None, overwrite_output_dir=False, seed=0,
+        max_steps=4, checkpoint_every=2, stop_at_step=None, keep_last=0,
+    )  # fmt: skip
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LockedSchedule())
+    try:
+        check_resume_and_output(accelerator, args, model, Task(), 8)
+        with pytest.raises(UsageError) as refused:
+            load_checkpoint(accelerator, None, model, optimizer, scheduler)
+    finally:
+        release_output_dir()
+    assert str(refused.value).startswith(
+        "a trial checkpoint before step 1 could not be saved (TypeError: cannot pickle '_thread.lock' object)"
+    ), refused.value
+    assert not (tmp_path / "run").exists(), sorted((tmp_path / "run").rglob("*"))
+
+
+def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(tmp_path, state):
+    """The model after training on a disk that cannot hold it: one line (what, the free bytes, the way out), no
+    partial folder, and a model/ of an earlier run left whole."""
+    from types import SimpleNamespace
+
+    from common.checkpoint import export_model
+    from common.task import Task
+
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        (disk / "model").mkdir()
+        (disk / "model" / "config.json").write_text("{}")  # an earlier run's model
+        with pytest.raises(UsageError) as refused:
+            export_model(accelerator, torch.nn.Linear(256, 256), Task(), {}, disk / "model")  # 257 KB of weights
+        line, model_dir = str(refused.value), disk / "model"
+        assert line.startswith(f"the final model could not be written to {model_dir} (No space left on device; "), line
+        assert "free space there, or give another --output_dir" in line and "run again" in line, line
+        assert sorted(p.name for p in disk.iterdir()) == ["model"], sorted(disk.rglob("*"))
+        assert [p.name for p in (disk / "model").iterdir()] == ["config.json"]
 
 
 # ---------------------------------------------------------------- data files

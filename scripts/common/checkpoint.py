@@ -15,8 +15,11 @@
 
 A save is written to `checkpoints/.tmp_step_<N>` and renamed once complete, so a kill at any moment
 leaves the previous checkpoint (docs/fault-tolerance.md); a save that fails (a full disk) removes it and
-is one line. A resume checks every file against trainer_state.json first, and trainer_state.json itself
-against its digest: a damaged one is one line. A run holds a lock on its --output_dir (OUTPUT_DIR/.run.lock)
+is one line. A run that will save tries it once before step 1 (load_checkpoint: the same save into
+OUTPUT_DIR/.trial_checkpoint, read back as a resume reads it, removed). `model/` is written beside itself
+(OUTPUT_DIR/.export_model) and renamed once whole; a failed export removes it and is one line. A resume
+checks every file against trainer_state.json first, and trainer_state.json itself against its digest: a
+damaged one is one line. A run holds a lock on its --output_dir (OUTPUT_DIR/.run.lock)
 from its start to its exit. Save, load and export are collectives: every rank calls them. Checkpoints and
 `model/` need a file system shared by all machines.
 """
@@ -37,6 +40,7 @@ import socket
 import time
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -352,6 +356,7 @@ def check_resume_and_output(
         "data_flags": _data_flags(args, model),  # what shapes the batches and the normalisation
         **({"layout": layout.describe()} if layout is not None else {}),
     }
+    _this_run.clear()  # a run refused below leaves no trial to the next one in this interpreter
     outcome = None
     if accelerator.is_main_process:  # the global main process alone: the nodes of one run share the folder
         try:
@@ -369,11 +374,14 @@ def check_resume_and_output(
         check_checkpoint_files(resume_path, state)
         check_compatible(state, resume_path, facts["param_shapes"], global_batch_size)
         check_same_data_flags(state, resume_path, facts["data_flags"])
-        if state["step"] >= args.max_steps:  # a finished run: change nothing
-            raise NothingToDo(
+        model_dir = Path(args.output_dir) / "model"  # written whole or not at all (export_model)
+        if state["step"] > args.max_steps or (state["step"] == args.max_steps and model_dir.is_dir()):
+            raise NothingToDo(  # a finished run: change nothing
                 f"{resume_path} is already at --max_steps {args.max_steps}: nothing to do "
                 "(raise --max_steps to train further)"
             )
+        if state["step"] == args.max_steps:  # trained, its export failed (a full disk): the model, from here
+            accelerator.print(f"{model_dir} is missing: writing it from {resume_path} (no step to train)")
     # `auto` without a checkpoint starts over: what an earlier attempt wrote before its first
     # checkpoint is replaced, as with --overwrite_output_dir
     overwrite = args.overwrite_output_dir or (args.resume_from_checkpoint == "auto" and resume_path is None)
@@ -390,6 +398,8 @@ def check_resume_and_output(
         for path in (out / "metrics.jsonl", out / "checkpoints", out / "model"):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     accelerator.wait_for_everyone()
+    will_save = getattr(args, "checkpoint_every", 0) or getattr(args, "stop_at_step", None)
+    _this_run.update(output_dir=args.output_dir, facts=facts, trial=bool(will_save))  # load_checkpoint's trial
     return resume_path, facts
 
 
@@ -431,17 +441,28 @@ def save_checkpoint(
     root = _checkpoints_dir(output_dir)
     final = root / f"step_{trainer_state['step']}"
     tmp = root / f".tmp_step_{trainer_state['step']}"
-    # A write that fails (a full disk) is noted and the save goes on to the next point where every rank
-    # compares notes (_all_written): then every rank stops with the same line, the partial save removed.
+    saved = (model, optimizer, scheduler, per_rank_state, extra_state)
+    write_checkpoint(accelerator, tmp, trainer_state, saved, partial(_save_failed_line, tmp, step))
+    if accelerator.is_main_process:
+        publish_checkpoint(tmp, final, output_dir, args.keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def write_checkpoint(accelerator, tmp: Path, trainer_state: dict, saved: tuple, failed_line, any_error=False) -> None:
+    """Collective: `saved` (model, optimizer, scheduler, per_rank_state, extra_state) as a checkpoint in `tmp`.
+    A write that fails (a full disk; with `any_error`, any error) is noted and the save goes on to the next point
+    where every rank compares notes (_all_written): every rank stops with `failed_line(reason, refused)`."""
+    model, optimizer, scheduler, per_rank_state, extra_state = saved
     failed = None
     if accelerator.is_main_process:
-        with _noting_write_failure(tmp) as failed:
+        with _noting_write_failure(tmp, any_error) as failed:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
             (tmp / "rng").mkdir(parents=True)
-    _all_written(accelerator, failed, tmp, step)
+    _all_written(accelerator, failed, tmp, failed_line)
     model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=OPTIONS)
     state_dir = tmp / "state" / f"rank_{accelerator.process_index}" if per_rank_state else tmp / "state"
-    with _noting_write_failure(tmp) as failed:
+    with _noting_write_failure(tmp, any_error) as failed:
         with _each_rank_alone(per_rank_state):
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(state_dir), no_dist=per_rank_state)
         torch.save(_rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
@@ -449,19 +470,15 @@ def save_checkpoint(
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             if extra_state is not None:  # inside the checkpoint before it is published: whole or not at all
                 torch.save(extra_state, tmp / EXTRA_STATE_FILE)
-    _all_written(accelerator, failed, tmp, step)  # every rank's files are written (DCP wrote its metadata last)
+    _all_written(accelerator, failed, tmp, failed_line)  # every rank's files are written (DCP wrote its metadata last)
     files = record_checkpoint_files(tmp)  # what a resume checks first: every file, its size and digest
     failed = None
     if accelerator.is_main_process:
-        with _noting_write_failure(tmp) as failed:
+        with _noting_write_failure(tmp, any_error) as failed:
             state = {**trainer_state, "per_rank_state": per_rank_state, "files": files}
             state[STATE_DIGEST_KEY] = state_digest(state)  # the file covers itself too: a resume checks it first
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-    _all_written(accelerator, failed, tmp, step)
-    if accelerator.is_main_process:
-        publish_checkpoint(tmp, final, output_dir, args.keep_last)
-    accelerator.wait_for_everyone()
-    return final
+    _all_written(accelerator, failed, tmp, failed_line)
 
 
 # errno of a write the file system refused: full, over quota, read-only, no permission, an I/O error
@@ -470,18 +487,27 @@ WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.E
 
 class _WriteFailure:
     reason: str | None = None  # why a write failed, for the line
+    refused: bool = True  # the file system refused it (full, read-only...); False: another error (any_error)
 
 
 @contextmanager
-def _noting_write_failure(folder: Path):
-    """Keep why a write into `folder` failed in the yielded note instead of raising (a lost peer is raised)."""
+def _noting_write_failure(folder: Path, any_error: bool = False):
+    """Keep why a write into `folder` failed in the yielded note instead of raising (a lost peer is raised);
+    `any_error`: any other error too, as "Type: message"."""
     note = _WriteFailure()
     try:
         yield note
     except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure in a CheckpointException
         note.reason = _write_failure(e, folder)
+        if note.reason is None and any_error and not isinstance(e, torch.distributed.DistBackendError):
+            first = next(iter(e.failures.values()), e) if isinstance(e, CheckpointException) else e  # a rank's
+            note.reason, note.refused = _error_line(first[0] if isinstance(first, tuple) else first), False
         if note.reason is None:
             raise
+
+
+def _error_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}".rstrip(": ")
 
 
 def _write_failure(error: BaseException, folder: Path) -> str | None:
@@ -494,6 +520,9 @@ def _write_failure(error: BaseException, folder: Path) -> str | None:
         seen.append(e)
         if isinstance(e, OSError) and e.errno in WRITE_FAILURES:
             return e.strerror
+        code = re.search(r"\(os error (\d+)\)", str(e))  # safetensors' writer: "I/O error: ... (os error 28)"
+        if code and int(code.group(1)) in WRITE_FAILURES:
+            return os.strerror(int(code.group(1)))
         if isinstance(e, RuntimeError) and "inline_container" in str(e):  # torch.save's writer names no errno
             full = shutil.disk_usage(next(d for d in [folder, *folder.parents] if d.exists())).free < 2**20
             return os.strerror(errno.ENOSPC) if full else f"torch.save failed: {str(e).splitlines()[0][:120]}"
@@ -503,23 +532,29 @@ def _write_failure(error: BaseException, folder: Path) -> str | None:
     return None
 
 
-def _all_written(accelerator, note: _WriteFailure | None, tmp: Path, step: int) -> None:
+def _all_written(accelerator, note: _WriteFailure | None, tmp: Path, failed_line) -> None:
     """Collective: every rank learns whether any failed to write; if one did, the partial save is removed
-    and every rank stops with one line (the checkpoints published before are whole)."""
-    failures = [f for f in gather_object([None if note is None else note.reason]) if f]
+    and every rank stops with one line, `failed_line(reason, refused)` of the first failure (the checkpoints
+    published before are whole)."""
+    mine = None if note is None or note.reason is None else (note.reason, note.refused)
+    failures = [f for f in gather_object([mine]) if f]
     if not failures:
         return
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
+    raise UsageError(failed_line(*failures[0]))
+
+
+def _save_failed_line(tmp: Path, step: int, reason: str, refused: bool = True) -> str:
     earlier = list_checkpoints(tmp.parent.parent)
     then = (
         f"continue from the last complete checkpoint ({earlier[-1]}) with --resume_from_checkpoint latest"
         if earlier
         else "run again"
     )
-    raise UsageError(
-        f"the checkpoint of step {step} could not be written to {tmp.parent} ({failures[0]}); its partial save "
+    return (
+        f"the checkpoint of step {step} could not be written to {tmp.parent} ({reason}); its partial save "
         f"is removed: free space there (--keep_last N keeps fewer checkpoints), then {then}"
     )
 
@@ -551,7 +586,20 @@ def publish_checkpoint(tmp: Path, final: Path, output_dir, keep_last: int) -> No
 def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler, replicas: bool = False) -> dict:
     """Collective: restores model, optimizer, scheduler and RNG in place; returns where the run stands
     (no path: step 0). A checkpoint of replicas saved between fusions (Local SGD) gives each rank its own
-    (`replicas`: the caller keeps them apart), or, to any other strategy, rank 0's on every rank: one model."""
+    (`replicas`: the caller keeps them apart), or, to any other strategy, rank 0's on every rank: one model.
+    Then, in a run that will save checkpoints (check_resume_and_output said so), a trial checkpoint: the run's
+    own save and this load, once before step 1 (trial_checkpoint)."""
+    progress = _restore(accelerator, path, model, optimizer, scheduler, replicas)
+    run = dict(_this_run)
+    _this_run.clear()  # once per run
+    if run.get("trial"):
+        from .trial import trial_checkpoint  # imported only by a run that will save checkpoints
+
+        trial_checkpoint(accelerator, run, model, optimizer, scheduler, progress["step"], replicas)
+    return progress
+
+
+def _restore(accelerator, path: Path | None, model, optimizer, scheduler, replicas: bool) -> dict:
     if path is None:
         return {"step": 0, "epoch": 0, "samples_in_epoch": 0}
     state = json.loads((path / STATE_FILE).read_text())
@@ -593,6 +641,18 @@ def load_checkpoint(accelerator, path: Path | None, model, optimizer, scheduler,
     return state
 
 
+# ---------------------------------------------------------------- the trial checkpoint, before step 1
+# A checkpoint that cannot be written (a disk too small, no permission) or read back (a state torch cannot save,
+# a load that cannot read what was saved) would fail at the first save, after training; tried once before step 1,
+# it fails there, in one line, with nothing trained.
+_this_run: dict = {}  # check_resume_and_output's {"output_dir", "facts", "trial"}, for load_checkpoint
+
+
+def _free_space(folder: Path) -> str:
+    free = shutil.disk_usage(next(d for d in [folder, *folder.parents] if d.exists())).free
+    return f"{free:,} bytes" if free < 2**20 else f"{free / 2**20:,.1f} MiB"
+
+
 def load_extra_state(path: Path | None) -> dict | None:
     """The `extra_state` save_checkpoint wrote at `path` (None: none)."""
     if path is None or not (path / EXTRA_STATE_FILE).is_file():
@@ -613,9 +673,10 @@ def _load_small_file(path: Path, name: str, weights_only: bool):
 
 
 def export_model(accelerator, model, task, data_source: dict, model_dir, layout=None) -> None:
-    """Collective: write `model/` the task's way (Task.export), from the main process. Under pipeline
-    parallelism one rank per stage sends its stage's tensors. BatchNorm's running statistics are averaged
-    first: the export is the model the run evaluated."""
+    """Collective: write `model/` the task's way (Task.export), from the main process, into a folder beside it
+    renamed into place once whole. Under pipeline parallelism one rank per stage sends its stage's tensors.
+    BatchNorm's running statistics are averaged first: the export is the model the run evaluated. A write that
+    fails (a full disk) removes what it wrote and is one line on every rank, naming the checkpoint to resume."""
     average_running_stats(model, layout.group("dp") if layout is not None else None)
     if layout is None or layout.pp == 1:
         full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -626,10 +687,45 @@ def export_model(accelerator, model, task, data_source: dict, model_dir, layout=
         parts = [None] * layout.world_size if accelerator.is_main_process else None
         torch.distributed.gather_object(part, parts, dst=0)
         full_sd = {k: v for p in parts for k, v in p.items()} if accelerator.is_main_process else {}
-    if accelerator.is_main_process:
-        task.export(full_sd, model_dir, data_source)
-        record_task(task, model_dir)
-    accelerator.wait_for_everyone()
+    failed = _write_model(task, full_sd, Path(model_dir), data_source) if accelerator.is_main_process else None
+    failed = gather_object([failed])[0]  # every rank learns the main process's outcome (and waits for it)
+    if failed:
+        raise UsageError(failed)
+
+
+def _write_model(task, full_sd: dict, model_dir: Path, data_source: dict) -> str | None:
+    """Main process: Task.export into OUTPUT_DIR/.export_model, renamed to model_dir once whole; a failure
+    removes what it wrote (a model/ of an earlier run stays as it was) and returns the line."""
+    tmp, replaced = model_dir.with_name(f".export_{model_dir.name}"), model_dir.with_name(f".old_{model_dir.name}")
+    written = (tmp, tmp.with_name(f".tmp_{tmp.name}"))  # and Task.export's own temporary folder (write_model_dir)
+    try:
+        for folder in (*written, replaced):
+            shutil.rmtree(folder, ignore_errors=True)  # leftovers of an export a kill interrupted
+        tmp.mkdir(parents=True)
+        task.export(full_sd, tmp, data_source)
+        record_task(task, tmp)
+        if model_dir.exists():  # a model of an earlier --max_steps (a resumed run)
+            os.replace(model_dir, replaced)
+        os.replace(tmp, model_dir)  # the model appears whole or not at all
+        shutil.rmtree(replaced, ignore_errors=True)
+        return None
+    except Exception as e:
+        for folder in written:
+            shutil.rmtree(folder, ignore_errors=True)
+        if replaced.exists() and not model_dir.exists():
+            os.replace(replaced, model_dir)
+        refused, kept = _write_failure(e, tmp), list_checkpoints(model_dir.parent)
+        size = sum(v.numel() * v.element_size() for v in full_sd.values() if isinstance(v, torch.Tensor)) / 2**20
+        why = f"{refused}; {_free_space(model_dir)} free there, {size:,.1f} MiB of weights to write" if refused else ""
+        why, fix = why or f"Task.export raised {_error_line(e)}", "free space there, or give another --output_dir"
+        fix = fix if refused else "fix Task.export in the script's MODEL section (docs/your-model.md)"
+        then = "then run again (no checkpoint was kept to resume: --checkpoint_every N keeps them)"
+        if kept:
+            then = f"then --resume_from_checkpoint latest resumes from {kept[-1]} and writes the model (from another "
+            then += f"--output_dir: --resume_from_checkpoint {kept[-1]})"
+        return (
+            f"the final model could not be written to {model_dir} ({why}): its partial files are removed; {fix}, {then}"
+        )
 
 
 def record_task(task, model_dir) -> None:

@@ -263,22 +263,6 @@ def collective_waited_for(error: BaseException) -> str:
     return name + where
 
 
-def line_on_sigterm() -> None:
-    """For a job with no preemption handler (evaluate.py): the launcher ends every process with SIGTERM when
-    one fails, which would end this one in silence; it says so in one line instead, naming a peer found gone."""
-
-    def ended(signum, frame):
-        line = (
-            f"error: {Path(sys.argv[0]).name} was ended by SIGTERM: a launcher ends every process when one fails"
-            f' (its "Root Cause" names that one), or the job was stopped.{_named_peers(RuntimeError())}'
-        )
-        print(line, file=sys.stderr, flush=True)
-        report_to_launcher(line)
-        os._exit(1)  # tearing the process group down could wait for the lost peer
-
-    signal.signal(signal.SIGTERM, ended)
-
-
 def report_to_launcher(message: str) -> None:
     """Under torchrun (and `accelerate launch`, which runs torchrun), a failed worker ends in the
     launcher's traceback and failure table. The table shows what the worker wrote to its

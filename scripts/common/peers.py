@@ -1,12 +1,13 @@
 """Which peer a rank lost (faults.lost_peer_line's sentence), from the records every rank gathered at
 set-up (faults.PEERS) and /proc: with no collective (they are broken by then) and no network. Imported
-only by a run that lost a peer."""
+only by a run that lost a peer, and by evaluate.py (line_on_sigterm)."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -102,3 +103,19 @@ def _peer_sentences(error: BaseException) -> str:
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {', '.join(ranks)}"
             sentences.append(f" Gloo's peer {address[1]} is {who} (host {holders[0]['host']}).")
     return "".join(sentences)
+
+
+def line_on_sigterm() -> None:
+    """For a job with no preemption handler (evaluate.py): the launcher ends every process with SIGTERM when
+    one fails, which would end this one in silence; it says so in one line instead, naming a peer found gone."""
+
+    def ended(signum, frame):
+        line = (
+            f"error: {Path(sys.argv[0]).name} was ended by SIGTERM: a launcher ends every process when one fails"
+            f' (its "Root Cause" names that one), or the job was stopped.{named_peers(RuntimeError())}'
+        )
+        print(line, file=sys.stderr, flush=True)
+        faults.report_to_launcher(line)
+        os._exit(1)  # tearing the process group down could wait for the lost peer
+
+    signal.signal(signal.SIGTERM, ended)
