@@ -35,7 +35,7 @@ def run_main(main) -> None:
 
         if int(os.environ.get("RANK", "0")) != 0 and get_int_from_env(WORLD_SIZE_VARS, 1) > 1:
             wait_for_rank0_to_report()
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(f"{off_the_bar()}error: {e}", file=sys.stderr, flush=True)
         report_to_launcher(f"error: {e}")
         end_process_groups()
         sys.exit(2)
@@ -52,11 +52,17 @@ def run_main(main) -> None:
             keep_traceback(e)  # the peers' lost-peer lines point at it: this rank's is not lost in their output
             raise
         # every rank that saw it says so (the one that froze or died may be rank 0)
-        print(line, file=sys.stderr, flush=True)
+        print(off_the_bar() + line, file=sys.stderr, flush=True)
         report_to_launcher(line)
         sys.stdout.flush()
         os._exit(1)  # tearing the process group down could wait for the lost peer
     end_process_groups()
+
+
+def off_the_bar() -> str:
+    """A newline where a progress bar is drawn (it ends in none): the error line then starts a line of its own."""
+    bars = sys.modules.get("tqdm") and getattr(sys.modules["tqdm"].tqdm, "_instances", None)
+    return "\n" if bars and any(not getattr(bar, "disable", True) for bar in list(bars)) else ""
 
 
 def keep_traceback(error: BaseException) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from . import faults
 from .errors import RunPosition
+from .launch import off_the_bar
 
 SURVIVOR_MARK = "survivor_rank{rank}.pid"  # in OUTPUT_DIR/logs: a rank that saw a lost peer, not a lost one
 
@@ -114,7 +115,7 @@ def line_on_sigterm() -> None:
             f"error: {Path(sys.argv[0]).name} was ended by SIGTERM: a launcher ends every process when one fails"
             f' (its "Root Cause" names that one), or the job was stopped.{named_peers(RuntimeError())}'
         )
-        print(line, file=sys.stderr, flush=True)
+        print(off_the_bar() + line, file=sys.stderr, flush=True)
         faults.report_to_launcher(line)
         os._exit(1)  # tearing the process group down could wait for the lost peer
 
