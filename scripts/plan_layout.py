@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from common.cli import HelpFormatter
 from common.costs import count_parameters
@@ -65,7 +64,7 @@ from common.pipeline import (
 )
 from common.presets import MODEL_PRESETS
 from common.sharded_costs import ddp_state_bytes, ulysses_bytes_per_layer
-from train_tp import tensor_parallel_plan
+from common.tp_costs import GPT_TP_CUTS
 
 GiB = 2**30
 MiB = 2**20
@@ -81,19 +80,18 @@ PREFLIGHT_FORMAT = "preflight/1"
 # ======================================== what each rank holds
 def model_parameters(cfg: GPTConfig) -> tuple[list[dict], int]:
     """Name, shape and TP placement of every parameter, read from the real model built on the meta
-    device (no memory) and the real TP plan of train_tp.py. `tp_dim`: the dimension TP splits
-    (None: replicated on every TP rank)."""
+    device (no memory) and the cuts of train_tp.py's plan (common/tp_costs.py's GPT_TP_CUTS, which a test
+    holds to the plan). `tp_dim`: the dimension TP splits (None: replicated on every TP rank)."""
     with torch.device("meta"):
         model = GPT(cfg)
-    plan = tensor_parallel_plan(model, sequence_parallel=False, loss_parallel=False)
     params = []
     for module_name, module in model.named_modules():
-        style = plan.get(module_name)
+        cut = GPT_TP_CUTS.get(module_name.rsplit(".", 1)[-1])
         for short, p in module.named_parameters(recurse=False):
             tp_dim = None
-            if isinstance(style, ColwiseParallel):  # Linear: output rows (weight and bias); Embedding: columns
+            if cut == "colwise":  # Linear: output rows (weight and bias); Embedding: columns
                 tp_dim = 1 if isinstance(module, nn.Embedding) else 0
-            elif isinstance(style, RowwiseParallel) and short == "weight":  # Linear: input columns; Embedding: rows
+            elif cut == "rowwise" and short == "weight":  # Linear: input columns; Embedding: rows
                 tp_dim = 0 if isinstance(module, nn.Embedding) else 1
             block = int(module_name.split(".")[1]) if module_name.startswith("blocks.") else None
             top = module_name.split(".")[0]

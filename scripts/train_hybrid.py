@@ -35,6 +35,7 @@ A checkpoint saved by any script and layout resumes under any other (same model,
 
 import sys
 import warnings
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -42,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 from accelerate.utils import set_seed
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from train_cp import (
     apply_context_parallel,
@@ -66,10 +69,11 @@ from common.pipeline import add_pipeline_args, check_pipeline_layout, parse_pipe
 from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_task_contract
+from common.tp_checks import check_tp_flags, check_tp_plan
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
 from train_fsdp import apply_activation_checkpointing, apply_fsdp
 from train_pp import PipelineStep, split_pipeline, stage_modules
-from train_tp import apply_tensor_parallel, check_tp_flags, check_tp_plan, model_tp_plan, tp_forward_backward
+from train_tp import apply_tensor_parallel, model_tp_plan
 
 
 # ======================================== MODEL: its TP plan and pipeline stages (docs/your-model.md)
@@ -106,6 +110,32 @@ class SequenceSliceStage(torch.nn.Module):
         if not self.is_last and isinstance(x, DTensor):
             x = x.to_local()  # TP: only plain tensors cross stages
         return x
+
+
+# ======================================== the step without a pipeline: TP beside FSDP (and CP)
+def tp_dp_forward_backward(
+    accelerator,
+    model,
+    task,
+    micro_batches: list,
+    n_global_targets,
+    use_loss_parallel: bool,
+    dp_size: int,
+    counts_loss: bool,
+    unsharded_accumulation: bool,
+) -> torch.Tensor:
+    """train_tp.py's step with a data-parallel part: the loss is scaled by `dp_size`, as FSDP averages the
+    gradients over the dp ranks; `unsharded_accumulation` holds the whole gradients through the micro-batches
+    and reduce-scatters once, at the last (else FSDP reduce-scatters after each micro-batch)."""
+    step_loss_sum = torch.zeros((), device=accelerator.device)
+    for i, mb in enumerate(micro_batches):
+        if unsharded_accumulation and isinstance(model, FSDPModule):  # one reduce-scatter, at the last
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        with accelerator.autocast(), loss_parallel() if use_loss_parallel else nullcontext():
+            loss_sum, _ = task.loss_of(model, mb)
+            accelerator.backward(loss_sum * dp_size / n_global_targets)  # Accelerate: backward
+        step_loss_sum += loss_sum.detach().full_tensor() if isinstance(loss_sum, DTensor) else loss_sum.detach()
+    return step_loss_sum if counts_loss else torch.zeros_like(step_loss_sum)
 
 
 def main():
@@ -231,7 +261,7 @@ def main():
     else:  # TP: the loss on vocabulary shards under --loss_parallel
 
         def forward_backward(micro_batches, n_global_targets):
-            return tp_forward_backward(
+            return tp_dp_forward_backward(
                 accelerator,
                 model,
                 task,

@@ -5,23 +5,31 @@ it imported.
 
 runs the script in this interpreter as `python scripts/train_ddp.py ...` would (runpy, as __main__, with
 that argv), and prints one JSON object as its last line: {"lines": N, "modules": {"common.data": lines,
-...}}: the `wc -l` of each common.* module in sys.modules at the end of the run (tests/test_ground_floor.py).
+...}}: the `wc -l` of each common.* module in sys.modules at the end of the run, and of each sibling
+script it imported (a lesson used as a library) (tests/test_ground_floor.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import runpy
 import sys
 from pathlib import Path
 
+LESSON_FILES = re.compile(r"(train_\w+|plan_layout|evaluate)\.py")
 
-def common_modules() -> dict[str, int]:
-    """{module name: its lines} for each module of the `common` package this interpreter has imported."""
+
+def common_modules(script_dir: Path) -> dict[str, int]:
+    """{module name: its lines} for each project module this interpreter has imported: the `common`
+    package, and any sibling script (a lesson imported as a library) of `script_dir`."""
     counted = {}
     for name, module in sorted(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if (name == "common" or name.startswith("common.")) and path:
+        if not path or name == "__main__":
+            continue
+        sibling = Path(path).resolve().parent == script_dir and LESSON_FILES.fullmatch(Path(path).name)
+        if name == "common" or name.startswith("common.") or sibling:
             counted[name] = len(Path(path).read_text(encoding="utf-8").splitlines())
     return counted
 
@@ -34,7 +42,7 @@ def main() -> None:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    modules = common_modules()
+    modules = common_modules(Path(script).resolve().parent)
     print(json.dumps({"returncode": code, "lines": sum(modules.values()), "modules": modules}), flush=True)
 
 

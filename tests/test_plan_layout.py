@@ -429,3 +429,29 @@ def test_hf_fsdp_plan_matches_the_measured_run(zoo, monkeypatch, capsys, tmp_pat
     assert {k: v["calls"] for k, v in planned.items()} == {k: v["calls"] for k, v in seen.items()}
     for kind, figures in seen.items():
         assert figures["mib"] == pytest.approx(planned[kind]["mib"], abs=1e-4), kind
+
+
+def test_the_planners_tp_cuts_are_the_lessons_plan():
+    """plan_layout.py reads the GPT's TP cuts from common/tp_costs.py (it imports no lesson): they must be
+    those of train_tp.py's tensor_parallel_plan, parameter by parameter, with and without SP and loss parallel."""
+    import torch
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from common.model import GPT, GPTConfig
+    from train_tp import tensor_parallel_plan
+
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    planned = {p["name"]: p["tp_dim"] for p in plan_layout.model_parameters(cfg)[0]}
+    for sp, lp in [(False, False), (True, True)]:
+        lesson = tensor_parallel_plan(model, sequence_parallel=sp, loss_parallel=lp)
+        for module_name, module in model.named_modules():
+            style = lesson.get(module_name)
+            for short, _ in module.named_parameters(recurse=False):
+                want = None
+                if isinstance(style, ColwiseParallel):
+                    want = 1 if isinstance(module, torch.nn.Embedding) else 0
+                elif isinstance(style, RowwiseParallel) and short == "weight":
+                    want = 0 if isinstance(module, torch.nn.Embedding) else 1
+                assert planned[f"{module_name}.{short}"] == want, f"{module_name}.{short}: sp={sp}, lp={lp}"

@@ -95,80 +95,59 @@ def test_loop_is_short_and_uses_few_project_names(script):
 
 
 # ----------------------------------------------------------------------------- a diff shows the strategy
-# Each single-strategy script against its nearest sibling, and the tag that marks its strategy's lines
-NEAREST_SIBLING = {
-    "train_localsgd.py": "train_ddp.py",
-    "train_fsdp.py": "train_ddp.py",
-    "train_tp.py": "train_fsdp.py",
-    "train_pp.py": "train_fsdp.py",
-    "train_cp.py": "train_fsdp.py",
-    "train_ep.py": "train_fsdp.py",
+# Issue 43: a lesson is train_ddp.py's skeleton plus its strategy. Measured RAW, no line exempt:
+#   changed = `diff scripts/train_ddp.py scripts/train_X.py | grep -c '^[<>]'`, lines = `wc -l`,
+#   long = lines over 100 characters. Each cap is about 10% above what the redesign reached (the goal:
+#   at most 300 changed and 450 lines for every single-strategy lesson; the lessons not redesigned yet
+#   keep their old figures as caps, so that none grows back).
+SHAPE_CAPS = {  # script: (changed lines, lines, long lines)
+    "train_fsdp.py": (235, 285, 90),
+    "train_tp.py": (310, 330, 72),
+    "train_pp.py": (630, 650, 118),
+    "train_cp.py": (990, 1020, 265),
+    "train_ep.py": (450, 480, 128),
+    "train_localsgd.py": (645, 700, 157),
+    "train_hybrid.py": (410, 400, 86),
 }
-STRATEGY_TAG = {
-    "train_ddp.py": "DDP",
-    "train_localsgd.py": "Local SGD|DiLoCo",
-    "train_fsdp.py": "FSDP|HSDP",
-    "train_tp.py": "TP",
-    "train_pp.py": "PP|pipeline",
-    "train_cp.py": "CP",
-    "train_ep.py": "EP|MoE",
-}
-MAX_CHANGED_OUTSIDE = 40  # issue 29
+SKELETON = "train_ddp.py"
 
 
-def strategy_lines(script: str) -> set[int]:
-    """The line numbers of `script` that belong to its strategy, which a diff is meant to show:
-    - the module docstring (the strategy explained) and the import statements (what its code uses);
-    - every section whose header names the strategy (`# ==== FSDP: the strategy`, `# ---- TP: ...`,
-      `# ==== MODEL: the TP plan`) and the strategy's flag group (add_argument_group .. parse_args);
-    - every line marked with the strategy's tag in a comment (`# FSDP: ...`);
-    - blank lines."""
-    tag, text = STRATEGY_TAG[script], (SCRIPTS / script).read_text()
-    lines = text.splitlines()
-    docstring_end = text[: text.index('"""', text.index('"""') + 3) + 3].count("\n") + 1
-    own = set(range(1, docstring_end + 1))
-    for node in ast.parse(text).body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            own |= set(range(node.lineno, node.end_lineno + 1))
-    in_section = in_flags = False
-    for number, line in enumerate(lines, 1):
-        header = re.match(r"\s*# (?:={8,}|-{8,}) ?(.*)", line)
-        if header:
-            in_section = bool(re.search(rf"\b({tag})\b", header.group(1).split("(")[0]))
-        in_flags = in_flags or "parser.add_argument_group(" in line
-        if in_section or in_flags or not line.strip() or re.search(rf"#\s*({tag}):", line):
-            own.add(number)
-        in_flags = in_flags and "parser.parse_args()" not in line
-    return own
-
-
-def changed_outside_the_strategy(a: str, b: str) -> list[str]:
-    """The lines `diff scripts/A scripts/B` shows (removed from A, added in B) that belong to neither
-    script's strategy (strategy_lines): what a learner must read past to see the strategy."""
+def raw_diff(a: str, b: str) -> int:
     out = subprocess.run(["diff", str(SCRIPTS / a), str(SCRIPTS / b)], capture_output=True, text=True).stdout
-    (own_a, lines_a), (own_b, lines_b) = [(strategy_lines(s), (SCRIPTS / s).read_text().splitlines()) for s in (a, b)]
-    changed = []
-    for hunk in re.finditer(r"^(\d+)(?:,(\d+))?([acd])(\d+)(?:,(\d+))?$", out, re.M):
-        a1, a2, kind, b1, b2 = int(hunk[1]), int(hunk[2] or hunk[1]), hunk[3], int(hunk[4]), int(hunk[5] or hunk[4])
-        if kind != "a":
-            changed += [f"{a}:{n}: {lines_a[n - 1]}" for n in range(a1, a2 + 1) if n not in own_a]
-        if kind != "d":
-            changed += [f"{b}:{n}: {lines_b[n - 1]}" for n in range(b1, b2 + 1) if n not in own_b]
-    return changed
+    return sum(line.startswith(("<", ">")) for line in out.splitlines())
 
 
-@pytest.mark.parametrize("script", sorted(NEAREST_SIBLING))
-def test_a_diff_with_the_nearest_sibling_shows_the_strategy(script):
-    """A learner diffs two scripts and sees the strategy and little else: at most MAX_CHANGED_OUTSIDE changed
-    lines outside the strategy's own lines (train_fsdp.py against train_ddp.py was 298 lines in all once)."""
-    sibling = NEAREST_SIBLING[script]
-    changed = changed_outside_the_strategy(sibling, script)
-    print(f"\n{script} against {sibling}: {len(changed)} changed lines outside the strategy")
-    assert len(changed) <= MAX_CHANGED_OUTSIDE, (
-        f"diff scripts/{sibling} scripts/{script}: {len(changed)} changed lines outside the strategy (at most "
-        f"{MAX_CHANGED_OUTSIDE}); make the shared lines alike, or mark a strategy line with its tag:\n"
-        + "\n".join(changed)
-    )
+@pytest.mark.parametrize("script", sorted(SHAPE_CAPS))
+def test_a_diff_with_the_skeleton_shows_the_strategy(script):
+    """A learner diffs train_ddp.py and a lesson and sees the strategy: the raw diff, the lesson's length and
+    its long lines stay under their caps (issue 43's figures, before: tp 770 changed, cp 902, pp 576)."""
+    text = (SCRIPTS / script).read_text().splitlines()
+    figures = (raw_diff(SKELETON, script), len(text), sum(len(line) > 100 for line in text))
+    print(f"\n{script}: {figures[0]} lines changed against {SKELETON}, {figures[1]} lines, {figures[2]} long")
+    for name, got, cap in zip(("changed lines", "lines", "lines over 100 characters"), figures, SHAPE_CAPS[script]):
+        assert got <= cap, f"diff scripts/{SKELETON} scripts/{script}: {got} {name} (at most {cap})"
+
+
+LESSONS = [s.removesuffix(".py") for s in TRAINING_SCRIPTS]
+# not redesigned yet (issue 43): what each still imports from a sibling lesson
+STILL_IMPORTS = {"train_cp.py": {"train_fsdp"}, "plan_layout.py": {"train_cp"}}
+
+
+@pytest.mark.parametrize("script", [*TRAINING_SCRIPTS, "plan_layout.py", "evaluate.py"])
+def test_no_lesson_imports_a_lesson(script):
+    """A copy of a lesson needs no sibling script: only train_hybrid.py composes the lessons' apply
+    functions; plan_layout.py and evaluate.py read the ground floor (common/)."""
+    if script == "train_hybrid.py":
+        return
+    tree = ast.parse((SCRIPTS / script).read_text())
+    imported = {
+        (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+        for alias in node.names
+    }
+    lessons = imported & set(LESSONS)
+    assert lessons <= STILL_IMPORTS.get(script, set()), f"{script} imports the lesson(s) {sorted(lessons)}"
 
 
 # Names of the built-in GPT and its config: only a MODEL section (and the model files) may use them.
