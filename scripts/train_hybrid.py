@@ -26,8 +26,8 @@ Run it:
     accelerate launch ... --num_processes 4 scripts/train_hybrid.py --model_config llama --dp_shard 2 --tp_size 2
     accelerate launch ... --num_processes 2 scripts/train_hybrid.py --tp_size 1 --dp_shard 2   # FSDP, no TP split
 Strategies are applied in a fixed order (split into stages, then TP, then activation checkpointing,
-then --compile, then FSDP), by the functions imported from train_pp.py, train_tp.py and
-train_fsdp.py: this file holds the mesh and the order, no strategy code of its own. The MODEL
+then --compile, then FSDP), by the functions imported from train_pp.py, train_tp.py, train_cp.py and
+train_fsdp.py: this file holds the mesh, the order and its own step (TP beside FSDP). The MODEL
 section names the model (the built-in GPT, or a 🤗 transformers model: --model_config llama above);
 its TP plan and pipeline stages are those of train_tp.py's and train_pp.py's MODEL sections.
 A checkpoint saved by any script and layout resumes under any other (same model, same global batch).
@@ -112,7 +112,82 @@ class SequenceSliceStage(torch.nn.Module):
         return x
 
 
-# ======================================== the step without a pipeline: TP beside FSDP (and CP)
+# ======================================== the strategies, in torchtitan's order
+def apply_strategies(model, task, units: list, layout: Layout, args, plan: dict, accelerator):
+    """PP split -> TP -> CP -> activation checkpointing -> compile -> FSDP, each by its lesson's apply
+    function, each along its own mesh dimension. Returns this rank's pipeline stages (None without PP)
+    and the CP attention (None without CP)."""
+    stages = None
+    if layout.pp > 1:  # PP: 1. keep this rank's units, one module per stage it holds
+        sp_mesh = layout.sub("tp") if args.sequence_parallel else None  # TP: activations cut over the sequence
+        build = partial(tp_stage_modules, sp_mesh=sp_mesh)  # the MODEL section's (above)
+        stages = split_pipeline(model, units, layout, build, args.stages_per_rank, args.split_points)
+        if layout.tp > 1:  # TP: the plan again, of what this rank holds (the MODEL section skips dropped parts)
+            plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel)
+    if layout.tp > 1:
+        apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: 2. every weight the plan names becomes a shard
+    attention = apply_context_parallel(model, task, layout) if layout.cp > 1 else None  # CP: 3. the ring attention
+    if args.activation_checkpointing:
+        apply_activation_checkpointing(units)  # 4. recompute each unit's activations in backward
+    if args.compile:
+        compile_units(units, accelerator)  # 5. torch.compile per unit, before FSDP's hooks
+    if layout.dp * layout.cp > 1:  # FSDP: 6. one unit per repeated unit, then each root; 2-D: HSDP; over dp x cp
+        # under PP the units stay gathered for the whole step: one all-gather, not one per micro-batch; under TP
+        # the logits are a view of a DTensor's local tensor, which FSDP warns about (the loss only reads them)
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        apply_fsdp(units, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision, layout.pp == 1)
+    return stages, attention
+
+
+def check_layout_fits(model, task, units: list, layout: Layout, args, plan: dict) -> None:
+    """Before any cut, one line each: the TP plan fits the model and the flags; CP's sequence (2 x cp divides
+    it; not beside PP or SP); a unit per pipeline stage."""
+    check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)
+    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
+    check_cp(layout, model, task, args)
+    if layout.pp > 1:
+        check_pipeline_layout(layout, len(units), args, type(unit_modules(units)[0]).__name__)
+
+
+def order_line(layout: Layout, args) -> str:
+    """The start line that names the strategies applied, in their order."""
+    applied = (
+        ("pipeline split", layout.pp > 1),
+        ("tensor parallel", layout.tp > 1),
+        ("context parallel", layout.cp > 1),
+        ("activation checkpointing", args.activation_checkpointing),
+        ("torch.compile", args.compile),
+        ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp * layout.cp > 1),
+    )
+    return "order: " + (" -> ".join(name for name, on in applied if on) or "none (one process)")
+
+
+# ======================================== the step: through the pipeline, or TP / CP beside FSDP
+def hybrid_step(accelerator, model, task, layout: Layout, args, stages, attention, unsharded: bool):
+    """This layout's step, (micro_batches, n_global_targets) -> the loss sum this rank counts, and how
+    evaluation predicts: (step, predict, eval batch size, the PipelineStep or None)."""
+    if layout.pp > 1:  # PP: the schedule runs every micro-batch through the stages, forward and backward
+        pipeline = PipelineStep(
+            accelerator, layout, task, stages, args.schedule, args.n_microbatches, args.loss_parallel
+        )
+        return pipeline, pipeline.predict, args.batch_size, pipeline
+    holds_loss = layout.holds_loss  # one rank per replica counts the loss (TP rank 0, CP rank 0)
+    if layout.cp > 1:  # CP: each rank's slice of every sequence; evaluation whole
+        loss_of = cp_loss(task, layout, accelerator.device)  # the loss of this rank's tokens
+        grad_scale = layout.dp * layout.cp  # FSDP averages the gradients over dp x cp ranks: the step scales back
+
+        def cp_step(micro_batches, n_global_targets):
+            loss_sum = cp_forward_backward(
+                accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale, unsharded
+            )
+            return loss_sum if holds_loss else torch.zeros_like(loss_sum)
+
+        return cp_step, whole_sequence_predict(model, task, attention, layout), args.eval_batch_size, None
+    step = partial(tp_dp_forward_backward, accelerator, model, task, use_loss_parallel=args.loss_parallel)
+    step.keywords.update(dp_size=layout.dp, counts_loss=holds_loss, unsharded_accumulation=unsharded)
+    return step, None, args.eval_batch_size, None
+
+
 def tp_dp_forward_backward(
     accelerator,
     model,
@@ -138,13 +213,16 @@ def tp_dp_forward_backward(
     return step_loss_sum if counts_loss else torch.zeros_like(step_loss_sum)
 
 
-def main():
-    # ---------------------------------------- flags
-    parser = build_parser(__doc__)
-    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+LAYOUT_FLAGS = "layout (the product must equal the number of processes; one may be -1: inferred)"
+UNSHARDED_HELP = (
+    "FSDP: keep whole unsharded gradients through the accumulation window and reduce-scatter once at its "
+    "last micro-batch: less communication, more memory (default: a reduce-scatter every micro-batch)"
+)
 
-    add_builtin_flags(parser)  # data and a model of your own: drop these two lines
-    g = parser.add_argument_group("layout (the product must equal the number of processes; one may be -1: inferred)")
+
+def add_layout_args(parser) -> None:
+    """The mesh's degrees, TP's flags and the memory flags (the pipeline's: common/pipeline.py)."""
+    g = parser.add_argument_group(LAYOUT_FLAGS)
     g.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     g.add_argument("--dp_replicate", type=int, default=1, help="data-parallel replicas (HSDP: replicate across them)")
     g.add_argument("--dp_shard", type=int, default=-1, help="data-parallel ranks that shard the model (FSDP)")
@@ -158,13 +236,11 @@ def main():
     g.add_argument(
         "--activation_checkpointing", action="store_true", help="recompute each unit's activations in backward"
     )
-    whole = "FSDP: keep whole unsharded gradients through the accumulation window and reduce-scatter once at its "
-    whole += "last micro-batch: less communication, more memory (default: a reduce-scatter every micro-batch)"
-    g.add_argument("--unsharded_accumulation", action="store_true", help=whole)
+    g.add_argument("--unsharded_accumulation", action="store_true", help=UNSHARDED_HELP)
     add_pipeline_args(parser)
-    args = parser.parse_args()
-    args.output_dir = args.output_dir or "runs/hybrid"
-    check_core_args(args)
+
+
+def check_layout_flags(args) -> None:
     parse_pipeline_flags(args)
     if args.unsharded_accumulation and args.pp_size > 1:
         raise UsageError(
@@ -172,20 +248,26 @@ def main():
             "schedule step itself; drop it"
         )
 
+
+def main():
+    # ---------------------------------------- flags
+    parser = build_parser(__doc__)
+    from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
+
+    add_builtin_flags(parser)  # data and a model of your own: drop these two lines
+    add_layout_args(parser)  # the mesh's degrees (pp, dp, tp, cp), TP's and the pipeline's flags
+    args = parser.parse_args()
+    args.output_dir = args.output_dir or "runs/hybrid"
+    check_core_args(args)
+    check_layout_flags(args)
+
     # ---------------------------------------- Accelerator and layout
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
     # the scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
-    # one object holds the degrees, checked once: their product is the world size
-    layout = Layout.from_degrees(
-        accelerator.num_processes,
-        pp=args.pp_size,
-        dp_replicate=args.dp_replicate,
-        dp_shard=args.dp_shard,
-        tp=args.tp_size,
-        cp=args.cp_size,
-    )
-    _, global_batch_size = batch_of_step(args, layout.dp)  # batch_size x dp x accumulation
+    degrees = {"dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard, "tp": args.tp_size, "cp": args.cp_size}
+    layout = Layout.from_degrees(accelerator.num_processes, pp=args.pp_size, **degrees)  # product: the world size
+    grad_accum, global_batch_size = batch_of_step(args, layout.dp)  # batch_size x dp x accumulation
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
@@ -206,74 +288,19 @@ def main():
     # the repeated units: the pipeline split, TP's layers, activation checkpointing, --compile, FSDP units
     units = task.units(model)
     n_params, model_line = count_parameters(model), task.describe(model)
-    # the TP plan, {module name: style}, of train_tp.py's MODEL section (the GPT's or a 🤗 Llama's), checked
-    # on the full model; a pipeline stage is built by train_pp.py's MODEL section (stage_modules)
+    # the TP plan, {module name: style}, of train_tp.py's MODEL section (the GPT's or a 🤗 model's)
     plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
-    if plan:
-        check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model, flags
-    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
-    check_cp(layout, model, task, args)  # CP: 2 x cp divides the sequence; not beside PP, SP
-    if layout.pp > 1:
-        check_pipeline_layout(layout, len(units), args, type(unit_modules(units)[0]).__name__)  # PP: a unit per stage
+    check_layout_fits(model, task, units, layout, args, plan)  # every cut, on the full model: one line each
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
-    # ---------------------------------------- the strategies, in torchtitan's order
-    stages = None
-    if layout.pp > 1:  # PP: 1. keep this rank's units, one module per stage it holds
-        sp_mesh = layout.sub("tp") if args.sequence_parallel else None  # TP: activations cut over the sequence
-        build = partial(tp_stage_modules, sp_mesh=sp_mesh)  # the MODEL section's (above)
-        stages = split_pipeline(model, units, layout, build, args.stages_per_rank, args.split_points)
-        if layout.tp > 1:  # TP: the plan again, of what this rank holds (the MODEL section skips dropped parts)
-            plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel)
-    if layout.tp > 1:
-        apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: 2. every weight the plan names becomes a shard
-    attention = apply_context_parallel(model, task, layout) if layout.cp > 1 else None  # CP: 3. the ring attention
-    if args.activation_checkpointing:
-        apply_activation_checkpointing(units)  # 4. recompute each unit's activations in backward
-    if args.compile:
-        compile_units(units, accelerator)  # 5. torch.compile per unit, before FSDP's hooks
-    if layout.dp * layout.cp > 1:  # FSDP: 6. one unit per repeated unit, then each root; 2-D: HSDP; over dp x cp
-        # under PP the units stay gathered for the whole step: one all-gather, not one per micro-batch; under TP
-        # the logits are a view of a DTensor's local tensor, which FSDP warns about (the loss only reads them)
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        apply_fsdp(units, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision, layout.pp == 1)
-    dp_size, holds_loss = layout.dp, layout.holds_loss  # what the step functions below need, read once
+    # ---------------------------------------- the strategies, in torchtitan's order (above)
+    stages, attention = apply_strategies(model, task, units, layout, args, plan, accelerator)
     unsharded = args.unsharded_accumulation and layout.dp * layout.cp > 1  # FSDP: whole gradients through the window
-    if layout.pp > 1:  # PP: the schedule runs every micro-batch through the stages, forward and backward
-        pipeline = PipelineStep(
-            accelerator, layout, task, stages, args.schedule, args.n_microbatches, args.loss_parallel
-        )
-        forward_backward, predict, eval_batch_size = pipeline, pipeline.predict, args.batch_size
-    elif layout.cp > 1:  # CP: each rank's slice of every sequence (TP rank 0 counts the loss); evaluation whole
-        loss_of = cp_loss(task, layout, accelerator.device)  # the loss of this rank's tokens
-        grad_scale = layout.dp * layout.cp  # FSDP averages the gradients over dp x cp ranks: the step scales back
-
-        def forward_backward(micro_batches, n_global_targets):
-            loss_sum = cp_forward_backward(
-                accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale, unsharded
-            )
-            return loss_sum if holds_loss else torch.zeros_like(loss_sum)
-
-        predict = whole_sequence_predict(model, task, attention, layout)
-        eval_batch_size = args.eval_batch_size
-    else:  # TP: the loss on vocabulary shards under --loss_parallel
-
-        def forward_backward(micro_batches, n_global_targets):
-            return tp_dp_forward_backward(
-                accelerator,
-                model,
-                task,
-                micro_batches,
-                n_global_targets,
-                args.loss_parallel,
-                dp_size,
-                holds_loss,
-                unsharded,
-            )
-
-        predict, eval_batch_size = None, args.eval_batch_size
+    forward_backward, predict, eval_batch_size, pipeline = hybrid_step(
+        accelerator, model, task, layout, args, stages, attention, unsharded
+    )
 
     # ---------------------------------------- optimizer (after every cut: it sees the shards)
     optimizer = make_optimizer(model, args)
@@ -284,14 +311,11 @@ def main():
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     if layout.pp == 1:  # a mean would train silently wrong; under PP no rank holds the whole model to run it
-        check_task_contract(
-            task,
-            model,
-            data.validation,
-            accelerator.device,
-            loss_parallel() if args.loss_parallel else plain_attention(task, model, attention) if attention else None,
+        shards = (
+            loss_parallel() if args.loss_parallel else plain_attention(task, model, attention) if attention else None
         )
-    probe_step, grad_accum = forward_backward, args.gradient_accumulation_steps  # every cut, on a probe
+        check_task_contract(task, model, data.validation, accelerator.device, shards)
+    probe_step = forward_backward  # every cut, on a probe
     probe_step.micro_batch_size = args.batch_size if layout.pp > 1 else None  # PP: the shapes its stages send
     cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
@@ -300,25 +324,16 @@ def main():
         train_loader,
         train_sampler,
         global_batch_size,
-        args.gradient_accumulation_steps,
+        grad_accum,
         progress,
         task.count_targets,
         dp_group=layout.group("dp"),
     )
     feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_hybrid", feed, layout.world_size, global_batch_size)
-    applied = (
-        ("pipeline split", layout.pp > 1),
-        ("tensor parallel", layout.tp > 1),
-        ("context parallel", layout.cp > 1),
-        ("activation checkpointing", args.activation_checkpointing),
-        ("torch.compile", args.compile),
-        ("HSDP" if layout.dp_replicate > 1 else "FSDP", layout.dp * layout.cp > 1),
-    )
-    order = " -> ".join(name for name, on in applied if on) or "none (one process)"
-    window = {"grad_accum": args.gradient_accumulation_steps, "unsharded_accumulation": unsharded}
+    window = {"grad_accum": grad_accum, "unsharded_accumulation": unsharded}
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)
-    monitor.start(task, model_line, n_params, data, [f"order: {order}", costs, cut_line], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [order_line(layout, args), costs, cut_line], resume_path, layout)
     pp_group = layout.group("pp")
 
     # ---------------------------------------- the training loop
@@ -327,11 +342,9 @@ def main():
     while step < last_step and not feed.preempted:
         with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
             micro_batches, n_global_targets = feed.next_step()
+            # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter of gradients
             with monitor.collectives():  # counts the first step's collectives
-                # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter of gradients
-                loss_sum = forward_backward(
-                    micro_batches, n_global_targets
-                )  # one rank per replica holds it (layout.holds_loss)
+                loss_sum = forward_backward(micro_batches, n_global_targets)  # one rank per replica holds it
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # sharded, over the stages
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # each rank updates what it holds
@@ -353,7 +366,7 @@ def main():
     if step == args.max_steps:  # every rank: gathers the shards; one rank per stage sends its units
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, **window)
-    monitor.summary(step, preempted=feed.preempted, **costs, **(pipeline.summary(args) if layout.pp > 1 else {}))
+    monitor.summary(step, preempted=feed.preempted, **costs, **(pipeline.summary(args) if pipeline else {}))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 
