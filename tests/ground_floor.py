@@ -20,15 +20,15 @@ from pathlib import Path
 LESSON_FILES = re.compile(r"(train_\w+|plan_layout|evaluate)\.py")
 
 
-def common_modules(script_dir: Path) -> dict[str, int]:
+def common_modules(script: Path) -> dict[str, int]:
     """{module name: its lines} for each project module this interpreter has imported: the `common`
-    package, and any sibling script (a lesson imported as a library) of `script_dir`."""
+    package, and any sibling script of `script` (a lesson imported as a library), not `script` itself."""
     counted = {}
     for name, module in sorted(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if not path or name == "__main__":
+        if not path or Path(path).resolve() == script:  # the script itself (__main__, __mp_main__)
             continue
-        sibling = Path(path).resolve().parent == script_dir and LESSON_FILES.fullmatch(Path(path).name)
+        sibling = Path(path).resolve().parent == script.parent and LESSON_FILES.fullmatch(Path(path).name)
         if name == "common" or name.startswith("common.") or sibling:
             counted[name] = len(Path(path).read_text(encoding="utf-8").splitlines())
     return counted
@@ -42,7 +42,7 @@ def main() -> None:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    modules = common_modules(Path(script).resolve().parent)
+    modules = common_modules(Path(script).resolve())
     print(json.dumps({"returncode": code, "lines": sum(modules.values()), "modules": modules}), flush=True)
 
 

@@ -41,7 +41,7 @@ FLAGS = ["--model_size", "tiny", "--max_steps", "2", "--batch_size", "8", "--war
 # 2,586 (the trial checkpoint, peer naming and shrunken copy load only when a run needs them), hence 2,650.
 # The lessons' redesign (issue 43) is to bring it down.
 OWN_MODEL_MAX_LINES = 2650
-BUILT_IN_MODELS = ("common.model", "common.moe", "common.hf")
+BUILT_IN_MODELS = ("common.model", "common.gpt", "common.moe", "common.hf")
 
 
 def common_lines(script: Path, args: list[str], cwd: Path | None = None) -> dict:

@@ -198,3 +198,44 @@ def test_no_function_of_a_lesson_is_long(script):
     assert not long, f"{script}: functions over {MAX_FUNCTION_LINES} lines: {long}"
     if script == "train_hybrid.py":
         assert main <= MAX_HYBRID_MAIN_LINES, f"{script}: main() is {main} lines (at most {MAX_HYBRID_MAIN_LINES})"
+
+
+MAX_COMMON_FLOORS = 5  # issue 43: common/ was 8 floors deep (cli -> builtin_flags -> model -> hf -> ... -> batchnorm)
+
+
+def common_imports() -> dict[str, set[str]]:
+    """{module of common/: the modules of common/ it imports}, lazy imports included (a run that needs them
+    climbs those floors too), imports for annotations only (under `if TYPE_CHECKING:`) left out."""
+    graph = {}
+    for path in sorted((SCRIPTS / "common").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(node)
+            for branch in ast.walk(tree)
+            if isinstance(branch, ast.If) and getattr(branch.test, "id", None) == "TYPE_CHECKING"
+            for node in ast.walk(branch)
+        }
+        graph[path.stem] = {
+            node.module.split(".")[0] if node.level else node.module.split(".")[1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and id(node) not in typing_only
+            and node.module
+            and (node.level == 1 or node.module.startswith("common."))
+        }
+    return graph
+
+
+def test_common_is_few_floors_deep():
+    """A reader who follows an import down from a lesson reaches the bottom of common/ within
+    MAX_COMMON_FLOORS modules (a module counts as one floor; a cycle is not climbed twice)."""
+    graph = common_imports()
+
+    def deepest(module: str, seen: tuple) -> list[str]:
+        below = [deepest(d, (*seen, module)) for d in graph.get(module, ()) if d in graph and d not in seen]
+        return [module, *max(below, key=len, default=[])]
+
+    chains = {m: deepest(m, ()) for m in graph}
+    worst = max(chains.values(), key=len)
+    print(f"\ncommon/ is {len(worst)} floors deep: {' -> '.join(worst)}")
+    assert len(worst) <= MAX_COMMON_FLOORS, f"common/ is {len(worst)} floors deep: {' -> '.join(worst)}"

@@ -112,7 +112,7 @@ def check_model_args(args) -> None:
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1) (got {args.dropout})")
     if args.n_experts:  # the MoE flags (top_k <= n_experts ...), before any process group: only the GPT knows them
-        from .model import gpt_config_from_args
+        from .presets import gpt_config_from_args
 
         gpt_config_from_args(args)
 

@@ -56,8 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .batchnorm import average_running_stats
-from .errors import NothingToDo, UsageError
-from .launch import RELEASE_AT_END
+from .errors import RELEASE_AT_END, NothingToDo, UsageError
 
 STATE_FILE = "trainer_state.json"
 STATE_DIGEST_KEY = "state_sha256"  # in trainer_state.json: the sha256 of the rest of it (state_digest)

@@ -1,4 +1,9 @@
-"""One-line errors for bad input, the early exit that is not one, and where the run stands."""
+"""One-line errors for bad input, the early exit that is not one, where the run stands, and what its end
+releases (a module every other imports, importing none of them)."""
+
+from __future__ import annotations
+
+import sys
 
 
 class UsageError(Exception):
@@ -24,3 +29,15 @@ class RunPosition:
         if cls.step is None:
             return "set-up"
         return f"after step {cls.step}" if cls.finished else f"step {cls.step}"
+
+
+# What end_process_groups calls once the process group is gone: common/layout.py adds the release of
+# its device meshes' groups, so that a run without a mesh carries none of it; common/checkpoint.py the
+# release of the run's lock on its --output_dir.
+RELEASE_AT_END: list = []
+
+
+def off_the_bar() -> str:
+    """A newline where a progress bar is drawn (it ends in none): the error line then starts a line of its own."""
+    bars = sys.modules.get("tqdm") and getattr(sys.modules["tqdm"].tqdm, "_instances", None)
+    return "\n" if bars and any(not getattr(bar, "disable", True) for bar in list(bars)) else ""

@@ -7,11 +7,11 @@ import math
 from collections import defaultdict
 
 import torch
-from accelerate.utils import gather_object, recursively_apply, send_to_device, slice_tensors
-from torch.distributed.tensor import DTensor
+from accelerate.utils import gather_object, send_to_device
 from torch.utils.data import DataLoader, Subset
 
 from .batchnorm import average_running_stats
+from .task import full_outputs, scored_sums
 
 
 @torch.no_grad()
@@ -51,20 +51,3 @@ def evaluate(accelerator, model, task, validation, batch_size: int, layout=None,
         k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in task.eval_metrics(sums).items()
     }
     return {"eval_loss": metrics.pop("eval_loss", None), "num_samples": int(sums["samples"]), **metrics}
-
-
-def scored_sums(task, outputs, targets, n: int) -> dict:
-    """Task.eval_sums of a batch's first n samples: the outputs cut along Task.sample_dim (1: time-major, (T, B,
-    ...)), the targets (collated rows) along 0. check_task_contract cuts the same way before step 1."""
-    outputs = getattr(outputs, "logits", outputs)  # a 🤗 output object: Task.eval_sums gets its logits
-    outputs = recursively_apply(lambda t: t.narrow(task.sample_dim, 0, n), outputs)
-    return task.eval_sums(outputs, slice_tensors(targets, slice(0, n)))
-
-
-def full_outputs(outputs):
-    """Outputs that are DTensors (vocabulary-sharded logits under loss parallel) as full tensors."""
-    if isinstance(outputs, DTensor):
-        return outputs.full_tensor()
-    if isinstance(getattr(outputs, "logits", None), DTensor):  # a 🤗 output object
-        outputs.logits = outputs.logits.full_tensor()
-    return outputs

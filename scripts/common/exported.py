@@ -173,7 +173,8 @@ def load_exported(model_dir, task_spec: tuple[str, str] | None = None):
     folder written by a 🤗 model (config.json with a model_type) loads with transformers, the built-in
     GPT's with GPT; a model of the user's own is rebuilt by its Task (`task_spec`, from task_spec_for;
     without it, the Task that model/task.json records)."""
-    from .model import GPT, GPTConfig, GPTTask
+    from .gpt import GPT, GPTTask
+    from .presets import GPTConfig
 
     model_dir = Path(model_dir)
     try:

@@ -5,14 +5,19 @@ train_tp.py cannot cut. Imported only when a 🤗 model runs under TP (train_tp.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from .errors import UsageError
-from .layout import Layout
+from .hf import check_untied
 from .tp_checks import key_matches
+
+if TYPE_CHECKING:  # annotations only: the layout module is not needed to run this one
+    from .layout import Layout
 
 
 def hf_styles(between, local: bool) -> dict:
@@ -146,8 +151,6 @@ def hf_tp_plan(model: nn.Module, units_path: str, layout: Layout, sequence_paral
       cos/sin and the mask, and a DTensor reports the whole length;
     - KV heads fewer than tp: replicated over the ranks that share them (KVHeadsReplicated), where TP is the
       whole layout (train_tp.py; beside FSDP or PP in train_hybrid.py that view of the group is not built)."""
-    from common.hf import check_untied  # only a 🤗 model comes here: the GPT's copy never loads the 🤗 code
-
     c, family, tp = model.config, model.config.model_type, layout.tp
     check_untied(model, "tensor parallelism")
     family_plan = dict(getattr(c, "base_model_tp_plan", None) or {})

@@ -13,15 +13,11 @@ from pathlib import Path
 import torch
 from accelerate.utils import get_int_from_env
 
-from .errors import NothingToDo, RunPosition, UsageError
+from .errors import RELEASE_AT_END, NothingToDo, RunPosition, UsageError, off_the_bar
 
 # Where launchers put how many processes they started (torchrun WORLD_SIZE, mpirun PMI_SIZE ...):
 # get_int_from_env(WORLD_SIZE_VARS, 1), Accelerate's own reading of them.
 WORLD_SIZE_VARS = ["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"]
-# What end_process_groups calls once the process group is gone: common/layout.py adds the release of
-# its device meshes' groups, so that a run without a mesh carries none of it; common/checkpoint.py the
-# release of the run's lock on its --output_dir.
-RELEASE_AT_END: list = []
 
 
 def run_main(main) -> None:
@@ -57,12 +53,6 @@ def run_main(main) -> None:
         sys.stdout.flush()
         os._exit(1)  # tearing the process group down could wait for the lost peer
     end_process_groups()
-
-
-def off_the_bar() -> str:
-    """A newline where a progress bar is drawn (it ends in none): the error line then starts a line of its own."""
-    bars = sys.modules.get("tqdm") and getattr(sys.modules["tqdm"].tqdm, "_instances", None)
-    return "\n" if bars and any(not getattr(bar, "disable", True) for bar in list(bars)) else ""
 
 
 def keep_traceback(error: BaseException) -> None:

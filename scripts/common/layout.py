@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .errors import UsageError
-from .launch import RELEASE_AT_END
+from .errors import RELEASE_AT_END, UsageError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 FLAGS = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}

@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 
 from . import faults
-from .errors import RunPosition
-from .launch import off_the_bar
+from .errors import RunPosition, off_the_bar
 
 SURVIVOR_MARK = "survivor_rank{rank}.pid"  # in OUTPUT_DIR/logs: a rank that saw a lost peer, not a lost one
 

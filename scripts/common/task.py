@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from accelerate.utils import gather_object, send_to_device, slice_tensors
+from accelerate.utils import gather_object, recursively_apply, send_to_device, slice_tensors
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.utils.data import default_collate
 
 from .errors import UsageError
-from .evaluation import full_outputs, scored_sums
 
 
 class Task:
@@ -338,3 +338,20 @@ def _float(value) -> float:
     if hasattr(value, "full_tensor"):  # a DTensor (loss parallel)
         value = value.full_tensor()
     return float(value)
+
+
+def scored_sums(task, outputs, targets, n: int) -> dict:
+    """Task.eval_sums of a batch's first n samples: the outputs cut along Task.sample_dim (1: time-major, (T, B,
+    ...)), the targets (collated rows) along 0. check_task_contract cuts the same way before step 1."""
+    outputs = getattr(outputs, "logits", outputs)  # a 🤗 output object: Task.eval_sums gets its logits
+    outputs = recursively_apply(lambda t: t.narrow(task.sample_dim, 0, n), outputs)
+    return task.eval_sums(outputs, slice_tensors(targets, slice(0, n)))
+
+
+def full_outputs(outputs):
+    """Outputs that are DTensors (vocabulary-sharded logits under loss parallel) as full tensors."""
+    if isinstance(outputs, DTensor):
+        return outputs.full_tensor()
+    if isinstance(getattr(outputs, "logits", None), DTensor):  # a 🤗 output object
+        outputs.logits = outputs.logits.full_tensor()
+    return outputs

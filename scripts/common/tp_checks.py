@@ -6,13 +6,16 @@ the layout or the data cannot serve (check_tp_flags).
 from __future__ import annotations
 
 from fnmatch import fnmatch
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
 from .errors import UsageError
-from .layout import Layout
+
+if TYPE_CHECKING:  # annotations only: the layout module is not needed to run this one
+    from .layout import Layout
 
 WHERE = "in the MODEL section of train_tp.py (docs/your-model.md)"
 

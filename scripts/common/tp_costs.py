@@ -3,11 +3,15 @@ summary's figures (tp_start_lines)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from .layout import Layout
 from .tp_checks import key_matches
+
+if TYPE_CHECKING:  # annotations only: the layout module is not needed to run this one
+    from .layout import Layout
 
 # What train_tp.py's plan for the built-in GPT cuts, by the module's own name (the planner's copy, which
 # tests/test_plan_layout.py holds to the lesson's tensor_parallel_plan): column-wise cuts the outputs,
