@@ -24,6 +24,7 @@ import train_ep
 from torch.distributed.fsdp import fully_shard
 
 from common.hf import load_hf_model
+from common.hf_ep import check_hf_experts
 from common.layout import Layout
 
 GLOBAL_BATCH, SEQ_LEN = 16, 16
@@ -58,7 +59,7 @@ def compare(config_path: str, ep: int, layout: Layout) -> dict:
 
     dp = layout.dp  # the step train_ep.py runs: its cuts, this rank's samples, its loss scale
     expert_modules = train_ep.experts_of(model, task)
-    train_ep.check_hf_experts(model, task, expert_modules, ep)
+    check_hf_experts(model, task, expert_modules, ep)
     train_ep.apply_expert_parallel(expert_modules, layout.sub("dp_shard"))
     train_ep.shard_expert_slices(expert_modules, layout.sub("dp_replicate"), dp)
     for unit in [*task.units(model).children(), model]:

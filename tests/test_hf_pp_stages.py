@@ -105,17 +105,18 @@ def test_a_family_whose_forward_changes_the_hidden_states_is_refused(tmp_path):
     would scale the hidden states again: the check on the whole model finds it, one line, before training;
     with a multiplier of 1 the same family passes."""
     from common.errors import UsageError
-    from train_pp import check_stages_compute
+    from common.pp_checks import check_stages_compute
+    from train_pp import stage_modules
 
     halves = [range(0, 2), range(2, 4)]
-    check_stages_compute(tiny_model(tmp_path, "granite", **SMALL), halves)
+    check_stages_compute(tiny_model(tmp_path, "granite", **SMALL), halves, stage_modules)
     with pytest.raises(UsageError, match="granite's 2 pipeline stages, chained, do not give the whole model's logits"):
-        check_stages_compute(tiny_model(tmp_path, "granite", **SMALL, embedding_multiplier=12.0), halves)
+        check_stages_compute(tiny_model(tmp_path, "granite", **SMALL, embedding_multiplier=12.0), halves, stage_modules)
 
 
 def test_a_family_without_a_pipeline_plan_is_refused(tmp_path):
     from common.errors import UsageError
-    from train_pp import hf_pipeline_parts
+    from common.hf_pp import hf_pipeline_parts
 
     model = tiny_model(tmp_path, "gpt2", n_embd=32, n_layer=2, n_head=4)
     with pytest.raises(UsageError, match="gpt2 has no pipeline plan"):
@@ -125,7 +126,8 @@ def test_a_family_without_a_pipeline_plan_is_refused(tmp_path):
 def test_a_stage_puts_the_model_back(tmp_path):
     """During a stage's forward the parts it does not run are pass-throughs; after it, the model is as the
     split left it (placeholders and None: what the TP plan and the checkpoints read)."""
-    from train_pp import HFPipelineStage, hf_pipeline_parts, stage_modules
+    from common.hf_pp import HFPipelineStage, hf_pipeline_parts
+    from train_pp import stage_modules
 
     model = tiny_model(tmp_path, "gpt_neox", **SMALL, rotary_pct=0.5)
     parts = hf_pipeline_parts(model)

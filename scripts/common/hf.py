@@ -2,10 +2,11 @@
 DeepSeek-V3, gpt-oss ...) behind the model contract (task.py).
 
 A script's MODEL section swaps the built-in GPT for a 🤗 model with `load_hf_model`; the strategies
-see only the Task and the model's own config. What each strategy reads of the model lives in its
-script: train_tp.py builds the TP plan from `config.base_model_tp_plan`, train_pp.py the stages from
-`config.base_model_pp_plan`, train_ep.py finds the experts from `config.base_model_ep_plan`. This
-file builds, loads, materialises and exports the model, and lets train_cp.py replace its attention.
+see only the Task and the model's own config. What each strategy reads of the model lives beside
+this file, imported only for a 🤗 model: hf_tp.py builds the TP plan from `config.base_model_tp_plan`,
+hf_pp.py the stages from `config.base_model_pp_plan`, hf_ep.py runs the experts found from
+`config.base_model_ep_plan`. This file builds, loads, materialises and exports the model, and lets
+train_cp.py replace its attention.
 
 Two ways in, exactly one of them:
     --model_name_or_path  a pretrained model: a local folder (config.json + safetensors), or a hub name
