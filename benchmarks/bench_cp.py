@@ -63,7 +63,9 @@ def attention_seconds(group, cp: int, tokens: int, iters: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from train_cp import Ring, RingAttention, head_tail_chunks
+    from train_cp import Ring, RingAttention
+
+    from common.cp_costs import head_tail_chunks
 
     heads, head_dim = 4, 16
 
@@ -92,17 +94,9 @@ def worker(args) -> None:
     """One rank of a cp-rank job: memory at --seq_len, bytes sent, times at --tokens_per_rank."""
     import torch
     import torch.distributed as dist
-    from train_cp import (
-        Ring,
-        Ulysses,
-        cp_chunks,
-        rank_positions,
-        ring_attention,
-        ring_bytes_per_step,
-        ulysses_attention,
-        ulysses_bytes_per_step,
-    )
+    from train_cp import Ring, Ulysses, rank_positions, ring_attention, ulysses_attention
 
+    from common.cp_costs import cp_chunks, ring_bytes_per_step, ulysses_bytes_per_step
     from common.model import GPT, GPTConfig, GPTTask
 
     torch.set_num_threads(1)

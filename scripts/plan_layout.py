@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from common.cli import HelpFormatter
 from common.costs import count_parameters
+from common.cp_costs import cp_chunks, ring_steps
 from common.errors import UsageError
 from common.launch import run_main
 from common.layout import DIMS, FLAGS, Layout
@@ -651,7 +652,7 @@ def ring_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links:
     per layer and micro-batch (cp-1) blocks in forward, (cp-1) K/V plus cp dK/dV blocks in backward. A ring
     of tp x cp consecutive ranks stays inside a node while it fits; its time is bytes over the measured
     point-to-point bandwidth (preflight's ring_p2p), else the link's all-reduce bandwidth. With
-    --sliding_window, the ring stops after the steps some rank still needs (train_cp.py's ring_steps, on the
+    --sliding_window, the ring stops after the steps some rank still needs (cp_costs.ring_steps, on the
     chunks it would choose): S steps send S-1 K/V blocks each way and S dK/dV blocks (none when S is 1).
     --cp_impl ulysses: ulysses_traffic instead."""
     if args.cp_impl == "ulysses":
@@ -659,8 +660,6 @@ def ring_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links:
     block = 2 * micro_batch * (args.seq_len // layout.cp) * cfg.n_embd // layout.tp * (2 if bf16 else 4)
     steps, window = layout.cp, getattr(args, "sliding_window", None)
     if window and layout.cp > 1:
-        from train_cp import cp_chunks, ring_steps  # the ring's own rule: which steps a window leaves needed
-
         chunks_of = cp_chunks(layout.cp, "ring", [window], args.seq_len)
         steps = ring_steps(chunks_of, args.seq_len // sum(map(len, chunks_of)), window)
     per_layer = {"forward": (steps - 1) * block, "backward": ((steps - 1) + (steps if steps > 1 else 0)) * block}

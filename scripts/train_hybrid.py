@@ -35,7 +35,7 @@ A checkpoint saved by any script and layout resumes under any other (same model,
 
 import sys
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -49,7 +49,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from train_cp import (
     apply_context_parallel,
     check_cp,
-    cp_forward_backward,
     cp_loss,
     plain_attention,
     whole_sequence_predict,
@@ -163,54 +162,65 @@ def order_line(layout: Layout, args) -> str:
 
 
 # ======================================== the step: through the pipeline, or TP / CP beside FSDP
+class LossParallelPipelineStep(PipelineStep):
+    """train_pp.py's step with the loss on the last stage's vocabulary shards (TP's --loss_parallel)."""
+
+    loss_context = staticmethod(loss_parallel)
+
+
 def hybrid_step(accelerator, model, task, layout: Layout, args, stages, attention, unsharded: bool):
     """This layout's step, (micro_batches, n_global_targets) -> the loss sum this rank counts, and how
     evaluation predicts: (step, predict, eval batch size, the PipelineStep or None)."""
     if layout.pp > 1:  # PP: the schedule runs every micro-batch through the stages, forward and backward
-        pipeline = PipelineStep(
-            accelerator, layout, task, stages, args.schedule, args.n_microbatches, args.loss_parallel
-        )
+        step_class = LossParallelPipelineStep if args.loss_parallel else PipelineStep
+        pipeline = step_class(accelerator, layout, task, stages, args.schedule, args.n_microbatches)
         return pipeline, pipeline.predict, args.batch_size, pipeline
-    holds_loss = layout.holds_loss  # one rank per replica counts the loss (TP rank 0, CP rank 0)
+    # TP and CP beside FSDP: one rank per replica counts the loss (TP rank 0, CP rank 0)
+    step = partial(sharded_forward_backward, accelerator, model, counts_loss=layout.holds_loss)
+    step.keywords.update(unsharded_accumulation=unsharded)
     if layout.cp > 1:  # CP: each rank's slice of every sequence; evaluation whole
-        loss_of = cp_loss(task, layout, accelerator.device)  # the loss of this rank's tokens
-        grad_scale = layout.dp * layout.cp  # FSDP averages the gradients over dp x cp ranks: the step scales back
-
-        def cp_step(micro_batches, n_global_targets):
-            loss_sum = cp_forward_backward(
-                accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale, unsharded
-            )
-            return loss_sum if holds_loss else torch.zeros_like(loss_sum)
-
-        return cp_step, whole_sequence_predict(model, task, attention, layout), args.eval_batch_size, None
-    step = partial(tp_dp_forward_backward, accelerator, model, task, use_loss_parallel=args.loss_parallel)
-    step.keywords.update(dp_size=layout.dp, counts_loss=holds_loss, unsharded_accumulation=unsharded)
+        # FSDP averages the gradients over dp x cp ranks: the step scales back
+        step.keywords.update(loss_of=cp_loss(task, layout, accelerator.device), grad_scale=layout.dp * layout.cp)
+        return step, whole_sequence_predict(model, task, attention, layout), args.eval_batch_size, None
+    step.keywords.update(loss_of=tp_loss(task, args.loss_parallel), grad_scale=layout.dp)
     return step, None, args.eval_batch_size, None
 
 
-def tp_dp_forward_backward(
+def sharded_forward_backward(
     accelerator,
     model,
-    task,
     micro_batches: list,
     n_global_targets,
-    use_loss_parallel: bool,
-    dp_size: int,
+    loss_of,
+    grad_scale: int,
     counts_loss: bool,
     unsharded_accumulation: bool,
 ) -> torch.Tensor:
-    """train_tp.py's step with a data-parallel part: the loss is scaled by `dp_size`, as FSDP averages the
-    gradients over the dp ranks; `unsharded_accumulation` holds the whole gradients through the micro-batches
-    and reduce-scatters once, at the last (else FSDP reduce-scatters after each micro-batch)."""
+    """train_tp.py's and train_cp.py's step beside FSDP: `loss_of(model, mb)` is the context the loss of
+    a micro-batch is computed and back-propagated in (TP: on vocabulary shards; CP: this rank's tokens);
+    the loss is scaled by `grad_scale` (dp, or dp x cp), as FSDP averages the gradients over those ranks;
+    `unsharded_accumulation` holds the whole gradients through the micro-batches and reduce-scatters once,
+    at the last (else FSDP reduce-scatters after each micro-batch). One rank per replica counts the loss."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for i, mb in enumerate(micro_batches):
         if unsharded_accumulation and isinstance(model, FSDPModule):  # one reduce-scatter, at the last
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-        with accelerator.autocast(), loss_parallel() if use_loss_parallel else nullcontext():
-            loss_sum, _ = task.loss_of(model, mb)
-            accelerator.backward(loss_sum * dp_size / n_global_targets)  # Accelerate: backward
+        with accelerator.autocast(), loss_of(model, mb) as loss_sum:
+            accelerator.backward(loss_sum * grad_scale / n_global_targets)  # Accelerate: backward
         step_loss_sum += loss_sum.detach().full_tensor() if isinstance(loss_sum, DTensor) else loss_sum.detach()
     return step_loss_sum if counts_loss else torch.zeros_like(step_loss_sum)
+
+
+def tp_loss(task, use_loss_parallel: bool):
+    """The loss of a micro-batch under TP, as a context (sharded_forward_backward's `loss_of`): on the
+    vocabulary shards of the logits under --loss_parallel."""
+
+    @contextmanager
+    def loss_of(model, mb):
+        with loss_parallel() if use_loss_parallel else nullcontext():
+            yield task.loss_of(model, mb)[0]
+
+    return loss_of
 
 
 LAYOUT_FLAGS = "layout (the product must equal the number of processes; one may be -1: inferred)"

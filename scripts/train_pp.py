@@ -47,7 +47,6 @@ import torch.nn as nn
 from accelerate.utils import set_seed
 from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
@@ -130,11 +129,12 @@ class PipelineStep:
     """The step: the schedule runs forward and backward of all micro-batches through the stages.
     The first stage gets Task.inputs, the last Task.targets and scores each micro-batch (Task.loss,
     divided by the global target count); the rank that holds the loss (Layout.holds_loss: the last
-    stage, TP rank 0) reports its sum. `use_loss_parallel`: train_hybrid.py's TP."""
+    stage, TP rank 0) reports its sum."""
 
-    def __init__(self, accelerator, layout, task, chunks, schedule, n_microbatches, use_loss_parallel=False):
+    loss_context = staticmethod(nullcontext)  # the context the loss is computed in
+
+    def __init__(self, accelerator, layout, task, chunks, schedule, n_microbatches):
         self.accelerator, self.layout, self.task = accelerator, layout, task
-        self.loss_context = loss_parallel if use_loss_parallel else nullcontext
         self.schedule, self.stages = build_schedule(
             chunks, layout, schedule, n_microbatches, self.loss_fn, accelerator.device
         )

@@ -26,7 +26,7 @@ from conftest import (
 )
 
 sys.path.insert(0, str(REPO / "scripts"))
-from train_cp import blocks_per_rank, contiguous_chunks, head_tail_chunks
+from common.cp_costs import blocks_per_rank, contiguous_chunks, head_tail_chunks
 
 # one xdist worker runs the parity tests: the cp 4 run is also the straight run of the resume test (shared_run)
 MAX_STEPS = 6
@@ -152,11 +152,11 @@ def test_bad_input_is_refused_with_one_line(tmp_path, text_files, data_cache):
 
 
 def own_model_copy(tmp_path, then: str = ""):
-    """A copy of scripts/ whose train_cp.py builds tests/cp_own_model/own_model.py's model in its MODEL
-    section (then runs the lines `then`); returns the copy's folder."""
+    """A copy of common/ and train_cp.py alone (no sibling lesson), whose train_cp.py builds
+    tests/cp_own_model/own_model.py's model in its MODEL section (then runs the lines `then`); returns
+    the copy's folder."""
     copy = tmp_path / "scripts"
     shutil.copytree(SCRIPTS / "common", copy / "common")
-    shutil.copy(SCRIPTS / "train_fsdp.py", copy / "train_fsdp.py")  # its FSDP, which train_cp.py imports
     shutil.copy(Path(__file__).with_name("cp_own_model") / "own_model.py", copy / "own_model.py")
     text = (SCRIPTS / "train_cp.py").read_text()
     line = "    model, task = language_model(args, data)\n"
