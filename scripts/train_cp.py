@@ -48,7 +48,8 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
+# scripts run as files: copy common/ beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
@@ -209,7 +210,8 @@ class RingAttention(torch.autograd.Function):
                 rows = slice(i * c + rows.start, i * c + rows.stop)
                 cols = slice(j * c + cols.start, (j + 1) * c)
                 q_i, k_j, v_j = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-                out_i, lse_i = out[:, :, rows], lse[:, :, rows].contiguous()  # merged: the whole rows
+                # merged: the whole rows
+                out_i, lse_i = out[:, :, rows], lse[:, :, rows].contiguous()
                 dqi, dkj, dvj = block_attention_backward(  # CP: the kernel's backward, per block
                     dout[:, :, rows], q_i, k_j, v_j, out_i, lse_i, causal, scale, keep, softcap
                 )
@@ -332,16 +334,6 @@ def plain_attention(task, model, attention):
 
 
 # ---------------------------------------- CP: the tokens a rank holds, the masks a block can carry
-#   A sliding window of W tokens (Mistral, Gemma 3's sliding layers, gpt-oss's): a query at
-#   position p sees the keys at p - W < j <= p. In blocks of c x c tokens, a (q chunk, kv chunk)
-#   pair d = (qc - kc) x c positions apart is whole (every offset d - c + 1 .. d + c - 1 inside
-#   the window), empty (none inside: neither computed nor, when no rank needs a step of the ring
-#   any more, sent), or cropped to the rows and columns that see something, with a mask of what
-#   inside them is kept:
-#       W = 6, c = 4, d = 4 (the chunk just before):   rows 0-4 see cols 0-3 as  . x x x  (x: kept)
-#                                                                                 . . x x
-#                                                                                 . . . x  (row 3)
-#                                                                                 . . . .  (dropped)
 def rank_positions(seq_len: int, chunks: list[int], n_chunks: int, device=None) -> torch.Tensor:
     """The real positions, in the sequence, of a rank's tokens: its chunks, in order."""
     size = seq_len // n_chunks
@@ -395,11 +387,6 @@ def document_blocks(blocks: list, q_chunks: list[int], kv_chunks: list[int], c: 
 
 
 # ---------------------------------------- CP: Ulysses, the other way to cut the sequence
-#   (DeepSpeed-Ulysses; the Ultra-Scale Playbook). cp = 2, 4 heads, rank r holds chunk r of tokens:
-#       before attention    rank 0: tokens 0..T/2, heads 0-3     rank 1: tokens T/2..T, heads 0-3
-#       all-to-all (q, k, v: send heads j to rank j)
-#       attention           rank 0: tokens 0..T,   heads 0-1     rank 1: tokens 0..T,   heads 2-3
-#       all-to-all back (the output: send tokens of rank j to rank j)
 class AllToAll(torch.autograd.Function):
     """all_to_all_single over the CP group: dim 0 of `x` is cut into cp pieces, piece j goes to rank
     j, and piece j of the result came from rank j. Its backward is the same exchange of the gradient
@@ -503,9 +490,9 @@ def main():
     check_core_args(args)
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
-    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
-    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision (launcher).
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (else each
+    # trains alone). The scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(
         args,
         cpu=args.cpu or not torch.cuda.is_available(),
@@ -519,18 +506,18 @@ def main():
     grad_accum, global_batch_size = batch_of_step(args, dp_size)  # batch_size x dp x accumulation
 
     # ---------------------------------------- data (checked before anything is written)
-    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    # the built-in data sets (addition, pystdlib, hub, your files) in the model's context and tokens
     from common.data import load_data
     from common.model import context_length, tokenizer_for
 
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
-    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
-    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
-    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
-    # CP: and its attention, replaceable (Task.set_attention), a forward at positions (Task.forward_at)
+    # ---------------------------------------- MODEL: the only lines that name the model
+    set_seed(args.seed)  # Accelerate: the same full model on every rank, whatever the layout
+    # the built-in GPT or a 🤗 causal LM (--model_name_or_path, --model_config), and its Task: a
+    # micro-batch's (loss_sum, n_targets), its evaluation and export (docs/your-model.md) CP: and
+    # its attention, replaceable (Task.set_attention), a forward at positions (Task.forward_at)
     from common.model import language_model
 
     model, task = language_model(args, data)
@@ -542,8 +529,10 @@ def main():
     kv_shape = attention_shapes(task, model, accelerator.device) if layout.cp > 1 else None
     if layout.cp > 1 and args.cp_impl == "ulysses":
         check_ulysses_heads(layout, kv_shape)  # CP: the heads divide by cp, or one line
-    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
+    resume_path, facts = check_resume_and_output(
+        accelerator, args, model, task, global_batch_size, layout
+    )
+    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- CP: the strategy
@@ -574,11 +563,15 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     whole = plain_attention(task, model, attention) if attention else None  # CP: whole sequences
     check_task_contract(task, model, data.validation, accelerator.device, whole)
-    probe_step = partial(cp_forward_backward, accelerator, model, loss_of=loss_of, grad_scale=grad_scale)
+    probe_step = partial(
+        cp_forward_backward, accelerator, model, loss_of=loss_of, grad_scale=grad_scale
+    )
     probe_step.token_positions = getattr(loss_of, "positions", None)  # CP: compared there
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
+    cut_line = check_cut(
+        accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout
+    )
     reset_traffic(attention)  # CP: the summary's bytes are the run's, not the probe's
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -600,10 +593,12 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+        with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
             with monitor.collectives():  # CP: the ring's K/V; FSDP: all-gather, reduce-scatter
-                loss_sum = cp_forward_backward(accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale)
+                loss_sum = cp_forward_backward(
+                    accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale
+                )
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # FSDP: each rank updates its own shard
@@ -612,19 +607,24 @@ def main():
             step += 1
 
         if monitor.due(step, "train"):  # CP: each rank's loss of its tokens; the sum: the batch's
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
+            # Accelerate: the loss sums of all ranks (an all-reduce)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
             monitor.eval(
-                step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout, predict)
+                step, evaluate(
+                    accelerator, model, task, data.validation, args.eval_batch_size, layout, predict
+                )
             )
-        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
     feed.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
-        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
+    if step == args.max_steps:  # every rank gathers what it holds; the main process writes
+        export_model(
+            accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout
+        )
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
     if attention:  # CP: the run's measured traffic beside the formula's
         costs |= cp_traffic(attention, formula, step - progress["step"])

@@ -11,10 +11,10 @@ same optimizer step and the replicas never drift apart:
                                 \______ all-reduce(grad) ___/
                                   identical optimizer step everywhere
 
-Run it:
-    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_ddp.py   # 2 CPU processes
-    accelerate launch --config_file accelerate_configs/gpu_multi.yaml scripts/train_ddp.py   # all GPUs of a node
-    python scripts/train_ddp.py                                                             # one process
+Run it on 2 CPU processes, on all GPUs of a node, or as one process:
+    accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_ddp.py
+    accelerate launch --config_file accelerate_configs/gpu_multi.yaml scripts/train_ddp.py
+    python scripts/train_ddp.py
 Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
 """
 
@@ -22,7 +22,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
+# scripts run as files: copy common/ beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from accelerate.utils import GradientAccumulationPlugin, get_int_from_env, set_seed
@@ -41,24 +42,24 @@ from common.training import StepFeed, compile_units, make_optimizer, make_schedu
 
 
 # ======================================== DDP: the strategy
-def ddp_forward_backward(accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int) -> torch.Tensor:
+def ddp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size):
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
     normalised by the target count of the whole global batch (all micro-batches, all ranks), not
     averaged per micro-batch (which weights targets unequally when their counts differ)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
-        with accelerator.accumulate(model):  # Accelerate: skips DDP's all-reduce until the last micro-batch
+        with accelerator.accumulate(model):  # Accelerate: no all-reduce until the last one
             loss_sum, _ = task.loss_of(model, mb)
-            # DDP averages the gradients over the dp ranks (and backward divides by the accumulation steps):
-            # scale back, so the gradient is that of (global loss sum / global targets)
-            accelerator.backward(loss_sum * dp_size * len(micro_batches) / n_global_targets)  # Accelerate: backward
+            # DDP averages the gradients over the ranks, backward divides by the accumulation
+            # steps: scale back, so the gradient is that of (global loss sum / global targets)
+            accelerator.backward(loss_sum * dp_size * len(micro_batches) / n_global_targets)
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
 
 
 SYNC_BATCHNORM_HELP = (
-    "BatchNorm over the global micro-batch (all ranks): the same run as one process (without it, each rank "
-    "normalises its own micro-batch; DDP keeps rank 0's running statistics)"
+    "BatchNorm over the global micro-batch (all ranks): the same run as one process (without "
+    "it, each rank normalises its own micro-batch; DDP keeps rank 0's running statistics)"
 )
 
 
@@ -73,14 +74,14 @@ def main():
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ddp"
     check_core_args(args)
-    # --global_batch_size: the accumulation follows the processes launched (elastic runs keep their batches)
-    grad_accum, global_batch_size = batch_of_step(args, get_int_from_env(WORLD_SIZE_VARS, 1))  # processes launched
+    # the accumulation follows the processes launched (an elastic run keeps its global batch)
+    grad_accum, global_batch_size = batch_of_step(args, get_int_from_env(WORLD_SIZE_VARS, 1))
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
-    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
-    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
-    # DDP: Accelerate's accumulate() skips the all-reduce until the last micro-batch of a step (our own windows)
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision (launcher).
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (else each
+    # trains alone). The scheduler counts optimizer steps, whatever the layout.
+    # DDP: accumulate() skips the all-reduce until the last micro-batch of a step (our windows)
     accumulation = GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False, adjust_scheduler=False)
     accelerator = make_accelerator(
         args,
@@ -88,25 +89,25 @@ def main():
         gradient_accumulation_plugin=accumulation,  # DDP: one all-reduce per step
         step_scheduler_with_optimizer=False,
     )
-    dp_size = accelerator.num_processes  # DDP: every process is a data-parallel replica, holding the whole model
+    dp_size = accelerator.num_processes  # DDP: every process is a replica of the whole model
 
     # ---------------------------------------- data (checked before anything is written)
-    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    # the built-in data sets (addition, pystdlib, hub, your files) in the model's context and tokens
     from common.data import load_data
     from common.model import context_length, tokenizer_for
 
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
-    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
-    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
-    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    # ---------------------------------------- MODEL: the only lines that name the model
+    set_seed(args.seed)  # Accelerate: the same full model on every rank, whatever the layout
+    # the built-in GPT or a 🤗 causal LM (--model_name_or_path, --model_config), and its Task: a
+    # micro-batch's (loss_sum, n_targets), its evaluation and export (docs/your-model.md)
     from common.model import language_model
 
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
-    if getattr(args, "n_experts", 0):  # the built-in MoE: each step's token counts move the expert bias
+    if getattr(args, "n_experts", 0):  # the built-in MoE: token counts move the expert bias
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         from common.moe import update_expert_bias
@@ -114,7 +115,7 @@ def main():
         register_optimizer_step_pre_hook(lambda *_, moe_model=model: update_expert_bias(moe_model))
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
+    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     if args.compile:
         compile_units(task.units(model), accelerator)  # each unit, before DDP wraps the model
 
@@ -125,18 +126,20 @@ def main():
 
     # ---------------------------------------- DDP: the strategy
     # Accelerate: wraps the model in DistributedDataParallel (gradient all-reduce in backward),
-    # moves everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
-    # DDP broadcasts rank 0's buffers (BatchNorm's running statistics) before every forward: one set for all.
+    # moves everything to the device, and shards the loader: rank r takes every dp_size-th
+    # micro-batch. DDP broadcasts rank 0's buffers (BatchNorm's statistics) before each forward.
     if args.sync_batchnorm and dp_size > 1:  # DDP: BatchNorm normalises over the global micro-batch
         from common.sync_batchnorm import sync_batchnorm  # imported only by a run that asks for it
 
         sync_batchnorm(model, accelerator.device)
-    restride_buffers(model)  # DDP: its broadcast of the buffers refuses a transposed one (the same values, laid out)
+    restride_buffers(model)  # DDP: its broadcast of the buffers refuses a transposed one
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
-    probe_step = partial(ddp_forward_backward, accelerator, model, task, dp_size=dp_size)  # DDP: the step, on a probe
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum)
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
+    probe_step = partial(ddp_forward_backward, accelerator, model, task, dp_size=dp_size)
+    cut_line = check_cut(
+        accelerator, model, probe_step, reference, task, data.validation, grad_accum
+    )
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -146,11 +149,11 @@ def main():
         progress,
         task.count_targets,
     )
-    feed.seed_dropout(args.seed)  # dropout: each data-parallel rank its own masks, a resume the same ones
+    feed.seed_dropout(args.seed)  # dropout: each rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_ddp", feed, dp_size, global_batch_size)
     allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
     ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB"
-    bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
+    bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # what differs from 1 process
     lines = [f"{ddp_line} = {allreduce_mib:.1f} MiB", bn_line, cut_line]
     monitor.start(task, model_line, n_params, data, lines, resume_path)
 
@@ -158,11 +161,11 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+        with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
-            # DDP: forward and backward of each micro-batch; the gradient all-reduce runs inside the last backward
+            # DDP: forward and backward of each micro-batch; the all-reduce runs in the last one
             loss_sum = ddp_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
-            # DDP: Accelerate's clipping unscales fp16 gradients first; the whole model's norm (0: measured only)
+            # DDP: Accelerate's clipping unscales fp16 gradients first (0: the norm measured only)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -171,20 +174,22 @@ def main():
             step += 1
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
+            # Accelerate: the loss sums of all ranks (an all-reduce)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
-            monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
-        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            scores = evaluate(accelerator, model, task, data.validation, args.eval_batch_size)
+            monitor.eval(step, scores)
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
     feed.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
+    if step == args.max_steps:  # every rank gathers what it holds; the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model")
     costs = replicated_summary(accelerator, n_params, allreduce_mib)
     monitor.summary(step, preempted=feed.preempted, **costs)
-    del model, optimizer, scheduler, train_loader, feed  # free DDP's wrapper while every peer is still there
+    del model, optimizer, scheduler, train_loader, feed  # free DDP's wrapper while the peers live
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

@@ -37,7 +37,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
+# scripts run as files: copy common/ beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
@@ -170,19 +171,21 @@ def main():
     add_builtin_flags(parser, moe=True)  # data and a model of your own: drop these two lines
     parser.set_defaults(n_experts=None)  # EP: the built-in GPT's 8 experts, or a 🤗 model's own
     g = parser.add_argument_group("expert parallel")
-    g.add_argument("--ep_size", type=int, help="ranks the experts are cut over (default: all processes)")
+    g.add_argument(
+        "--ep_size", type=int, help="ranks the experts are cut over (default: all processes)"
+    )
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ep"
     hf_model = check_moe_flags(args, parser)  # EP: a 🤗 model brings its own experts
     check_core_args(args)
     ep_size = check_ep_flags(args, get_int_from_env(WORLD_SIZE_VARS, 1), hf_model)
-    # --global_batch_size: the accumulation follows the processes launched (elastic runs keep their batches)
-    grad_accum, global_batch_size = batch_of_step(args, get_int_from_env(WORLD_SIZE_VARS, 1))  # processes launched
+    # the accumulation follows the processes launched (an elastic run keeps its global batch)
+    grad_accum, global_batch_size = batch_of_step(args, get_int_from_env(WORLD_SIZE_VARS, 1))
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
-    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
-    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision (launcher).
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (else each
+    # trains alone). The scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(
         args,
         cpu=args.cpu or not torch.cuda.is_available(),
@@ -195,17 +198,18 @@ def main():
     layout = Layout.from_degrees(dp_size, dp_replicate=dp_size // ep_size)
 
     # ---------------------------------------- data (checked before anything is written)
-    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    # the built-in data sets (addition, pystdlib, hub, your files) in the model's context and tokens
     from common.data import load_data
     from common.model import context_length, tokenizer_for
 
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
-    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
+    # ---------------------------------------- MODEL: the only lines that name the model
+    set_seed(args.seed)  # Accelerate: the same full model on every rank, whatever the layout
     # the built-in MoE GPT, or a 🤗 MoE model (--model_name_or_path, --model_config), and its Task:
-    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and
+    # export
     from common.model import language_model
 
     model, task = language_model(args, data)
@@ -213,8 +217,10 @@ def main():
     expert_modules = experts_of(model, task)  # EP: what it cuts, each MoE layer's batched experts
     check_experts(model, task, expert_modules, ep_size, dp_size)  # EP: one line per mistake
     n_params, model_line = count_parameters(model), task.describe(model)
-    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
+    resume_path, facts = check_resume_and_output(
+        accelerator, args, model, task, global_batch_size, layout
+    )
+    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- EP: the strategy and FSDP, before the optimizer
@@ -232,10 +238,12 @@ def main():
     # the loader sharded over the dp ranks
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_loader = shard_loader(train_loader, accelerator, layout)
-    check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
+    check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
     probe_step = partial(ep_forward_backward, accelerator, model, task, dp_size=dp_size)  # the step
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    cut_line = check_cut(
+        accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout
+    )
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -257,10 +265,12 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+        with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
             with monitor.collectives():  # EP: all-to-alls in every MoE layer
-                loss_sum = ep_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
+                loss_sum = ep_forward_backward(
+                    accelerator, model, task, micro_batches, n_global_targets, dp_size
+                )
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -269,17 +279,23 @@ def main():
             step += 1
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
+            # Accelerate: the loss sums of all ranks (an all-reduce)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm, **routing())  # EP: the record adds the routing
         if monitor.due(step, "eval"):
-            monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
-        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            scores = evaluate(
+                accelerator, model, task, data.validation, args.eval_batch_size, layout
+            )
+            monitor.eval(step, scores)
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
     feed.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
-        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
+    if step == args.max_steps:  # every rank gathers what it holds; the main process writes
+        export_model(
+            accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout
+        )
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
     costs = {**ep_summary(expert_modules, ep_size), **costs}  # EP: the experts' bytes on this rank
     monitor.summary(step, preempted=feed.preempted, **costs)

@@ -39,7 +39,8 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
+# scripts run as files: copy common/ beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from accelerate.utils import set_seed
@@ -76,14 +77,15 @@ from train_tp import apply_tensor_parallel, model_tp_plan
 
 
 # ======================================== MODEL: its TP plan and pipeline stages (docs/your-model.md)
-# The TP plan is train_tp.py's (model_tp_plan: the GPT's, or a 🤗 model's from its family's plan); the pipeline
-# stages are train_pp.py's (stage_modules), with the one thing TP adds here:
+# The TP plan is train_tp.py's (model_tp_plan: the GPT's, or a 🤗 model's from its family's plan);
+# the pipeline stages are train_pp.py's (stage_modules), with the one thing TP adds here:
 def tp_stage_modules(model, stages: list, sp_mesh=None) -> list:
-    """train_pp.py's stages of the model (split_pipeline's builder). Under TP with --sequence_parallel
-    (`sp_mesh`: the TP mesh) the activations between blocks are cut over the sequence, and each rank sends
-    the next stage its slice, a plain tensor. The GPT's blocks take the slice as it comes (its plan's local
-    outputs); a 🤗 model's stage gets it wrapped again as a Shard(1) DTensor (SequenceSliceStage), since 🤗
-    reads the positions, rotary cos/sin and masks off the length of what it is given: the whole sequence."""
+    """train_pp.py's stages of the model (split_pipeline's builder). Under TP with
+    --sequence_parallel (`sp_mesh`: the TP mesh) the activations between blocks are cut over the
+    sequence, and each rank sends the next stage its slice, a plain tensor. The GPT's blocks take
+    the slice as it comes (its plan's local outputs); a 🤗 model's stage gets it wrapped again as a
+    Shard(1) DTensor (SequenceSliceStage), since 🤗 reads the positions, rotary cos/sin and masks off
+    the length of what it is given: the whole sequence."""
     from common.model import GPT
 
     modules = stage_modules(model, stages)
@@ -93,8 +95,9 @@ def tp_stage_modules(model, stages: list, sp_mesh=None) -> list:
 
 
 class SequenceSliceStage(torch.nn.Module):
-    """A 🤗 pipeline stage under sequence parallel: what crosses stages is this rank's sequence slice, a
-    plain tensor; it enters as a Shard(1) DTensor of the whole sequence and leaves as the local slice again."""
+    """A 🤗 pipeline stage under sequence parallel: what crosses stages is this rank's sequence
+    slice, a plain tensor; it enters as a Shard(1) DTensor of the whole sequence and leaves as the
+    local slice again."""
 
     def __init__(self, stage, sp_mesh, is_first: bool, is_last: bool):
         super().__init__()
@@ -113,34 +116,40 @@ class SequenceSliceStage(torch.nn.Module):
 
 # ======================================== the strategies, in torchtitan's order
 def apply_strategies(model, task, units: list, layout: Layout, args, plan: dict, accelerator):
-    """PP split -> TP -> CP -> activation checkpointing -> compile -> FSDP, each by its lesson's apply
-    function, each along its own mesh dimension. Returns this rank's pipeline stages (None without PP)
-    and the CP attention (None without CP)."""
+    """PP split -> TP -> CP -> activation checkpointing -> compile -> FSDP, each by its lesson's
+    apply function, each along its own mesh dimension. Returns this rank's pipeline stages (None
+    without PP) and the CP attention (None without CP)."""
     stages = None
     if layout.pp > 1:  # PP: 1. keep this rank's units, one module per stage it holds
-        sp_mesh = layout.sub("tp") if args.sequence_parallel else None  # TP: activations cut over the sequence
+        # TP: activations cut over the sequence
+        sp_mesh = layout.sub("tp") if args.sequence_parallel else None
         build = partial(tp_stage_modules, sp_mesh=sp_mesh)  # the MODEL section's (above)
         stages = split_pipeline(model, units, layout, build, args.stages_per_rank, args.split_points)
-        if layout.tp > 1:  # TP: the plan again, of what this rank holds (the MODEL section skips dropped parts)
+        # TP: the plan again, of what this rank holds (the MODEL section skips dropped parts)
+        if layout.tp > 1:
             plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel)
     if layout.tp > 1:
-        apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: 2. every weight the plan names becomes a shard
-    attention = apply_context_parallel(model, task, layout) if layout.cp > 1 else None  # CP: 3. the ring attention
+        # TP: 2. every weight the plan names becomes a shard
+        apply_tensor_parallel(model, layout.sub("tp"), plan)
+    # CP: 3. the ring attention
+    attention = apply_context_parallel(model, task, layout) if layout.cp > 1 else None
     if args.activation_checkpointing:
         apply_activation_checkpointing(units)  # 4. recompute each unit's activations in backward
     if args.compile:
         compile_units(units, accelerator)  # 5. torch.compile per unit, before FSDP's hooks
-    if layout.dp * layout.cp > 1:  # FSDP: 6. one unit per repeated unit, then each root; 2-D: HSDP; over dp x cp
-        # under PP the units stay gathered for the whole step: one all-gather, not one per micro-batch; under TP
-        # the logits are a view of a DTensor's local tensor, which FSDP warns about (the loss only reads them)
+    # FSDP: 6. one unit per repeated unit, then each root; 2-D: HSDP; over dp x cp
+    if layout.dp * layout.cp > 1:
+        # under PP the units stay gathered for the whole step: one all-gather, not one per
+        # micro-batch; under TP the logits are a view of a DTensor's local tensor, which FSDP warns
+        # about (the loss only reads them)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         apply_fsdp(units, stages or [model], layout.fsdp_mesh, accelerator.mixed_precision, layout.pp == 1)
     return stages, attention
 
 
 def check_layout_fits(model, task, units: list, layout: Layout, args, plan: dict) -> None:
-    """Before any cut, one line each: the TP plan fits the model and the flags; CP's sequence (2 x cp divides
-    it; not beside PP or SP); a unit per pipeline stage."""
+    """Before any cut, one line each: the TP plan fits the model and the flags; CP's sequence (2 x
+    cp divides it; not beside PP or SP); a unit per pipeline stage."""
     check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)
     check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
     check_cp(layout, model, task, args)
@@ -163,15 +172,17 @@ def order_line(layout: Layout, args) -> str:
 
 # ======================================== the step: through the pipeline, or TP / CP beside FSDP
 class LossParallelPipelineStep(PipelineStep):
-    """train_pp.py's step with the loss on the last stage's vocabulary shards (TP's --loss_parallel)."""
+    """train_pp.py's step with the loss on the last stage's vocabulary shards (TP's
+    --loss_parallel)."""
 
     loss_context = staticmethod(loss_parallel)
 
 
 def hybrid_step(accelerator, model, task, layout: Layout, args, stages, attention, unsharded: bool):
-    """This layout's step, (micro_batches, n_global_targets) -> the loss sum this rank counts, and how
-    evaluation predicts: (step, predict, eval batch size, the PipelineStep or None)."""
-    if layout.pp > 1:  # PP: the schedule runs every micro-batch through the stages, forward and backward
+    """This layout's step, (micro_batches, n_global_targets) -> the loss sum this rank counts, and
+    how evaluation predicts: (step, predict, eval batch size, the PipelineStep or None)."""
+    # PP: the schedule runs every micro-batch through the stages, forward and backward
+    if layout.pp > 1:
         step_class = LossParallelPipelineStep if args.loss_parallel else PipelineStep
         pipeline = step_class(accelerator, layout, task, stages, args.schedule, args.n_microbatches)
         return pipeline, pipeline.predict, args.batch_size, pipeline
@@ -180,7 +191,9 @@ def hybrid_step(accelerator, model, task, layout: Layout, args, stages, attentio
     step.keywords.update(unsharded_accumulation=unsharded)
     if layout.cp > 1:  # CP: each rank's slice of every sequence; evaluation whole
         # FSDP averages the gradients over dp x cp ranks: the step scales back
-        step.keywords.update(loss_of=cp_loss(task, layout, accelerator.device), grad_scale=layout.dp * layout.cp)
+        step.keywords.update(
+            loss_of=cp_loss(task, layout, accelerator.device), grad_scale=layout.dp * layout.cp
+        )
         return step, whole_sequence_predict(model, task, attention, layout), args.eval_batch_size, None
     step.keywords.update(loss_of=tp_loss(task, args.loss_parallel), grad_scale=layout.dp)
     return step, None, args.eval_batch_size, None
@@ -196,14 +209,16 @@ def sharded_forward_backward(
     counts_loss: bool,
     unsharded_accumulation: bool,
 ) -> torch.Tensor:
-    """train_tp.py's and train_cp.py's step beside FSDP: `loss_of(model, mb)` is the context the loss of
-    a micro-batch is computed and back-propagated in (TP: on vocabulary shards; CP: this rank's tokens);
-    the loss is scaled by `grad_scale` (dp, or dp x cp), as FSDP averages the gradients over those ranks;
-    `unsharded_accumulation` holds the whole gradients through the micro-batches and reduce-scatters once,
-    at the last (else FSDP reduce-scatters after each micro-batch). One rank per replica counts the loss."""
+    """train_tp.py's and train_cp.py's step beside FSDP: `loss_of(model, mb)` is the context the
+    loss of a micro-batch is computed and back-propagated in (TP: on vocabulary shards; CP: this
+    rank's tokens); the loss is scaled by `grad_scale` (dp, or dp x cp), as FSDP averages the
+    gradients over those ranks; `unsharded_accumulation` holds the whole gradients through the
+    micro-batches and reduce-scatters once, at the last (else FSDP reduce-scatters after each
+    micro-batch). One rank per replica counts the loss."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for i, mb in enumerate(micro_batches):
-        if unsharded_accumulation and isinstance(model, FSDPModule):  # one reduce-scatter, at the last
+        # one reduce-scatter, at the last
+        if unsharded_accumulation and isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with accelerator.autocast(), loss_of(model, mb) as loss_sum:
             accelerator.backward(loss_sum * grad_scale / n_global_targets)  # Accelerate: backward
@@ -212,8 +227,8 @@ def sharded_forward_backward(
 
 
 def tp_loss(task, use_loss_parallel: bool):
-    """The loss of a micro-batch under TP, as a context (sharded_forward_backward's `loss_of`): on the
-    vocabulary shards of the logits under --loss_parallel."""
+    """The loss of a micro-batch under TP, as a context (sharded_forward_backward's `loss_of`): on
+    the vocabulary shards of the logits under --loss_parallel."""
 
     @contextmanager
     def loss_of(model, mb):
@@ -235,7 +250,9 @@ def add_layout_args(parser) -> None:
     g = parser.add_argument_group(LAYOUT_FLAGS)
     g.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     g.add_argument("--dp_replicate", type=int, default=1, help="data-parallel replicas (HSDP: replicate across them)")
-    g.add_argument("--dp_shard", type=int, default=-1, help="data-parallel ranks that shard the model (FSDP)")
+    g.add_argument(
+        "--dp_shard", type=int, default=-1, help="data-parallel ranks that shard the model (FSDP)"
+    )
     g.add_argument("--tp_size", type=int, default=1, help="ranks per tensor-parallel group (1: FSDP, no TP split)")
     g.add_argument(
         "--cp_size", type=int, default=1, help="context parallel: ranks that cut each sequence (train_cp.py)"
@@ -272,7 +289,7 @@ def main():
     check_layout_flags(args)
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher;
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision (launcher);
     # the scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
     degrees = {"dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard, "tp": args.tp_size, "cp": args.cp_size}
@@ -280,17 +297,17 @@ def main():
     grad_accum, global_batch_size = batch_of_step(args, layout.dp)  # batch_size x dp x accumulation
 
     # ---------------------------------------- data (checked before anything is written)
-    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    # the built-in data sets (addition, pystdlib, hub, your files) in the model's context and tokens
     from common.data import load_data
     from common.model import context_length, tokenizer_for
 
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
-    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank before any cut: init independent of layout
-    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
-    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    # ---------------------------------------- MODEL: the only lines that name the model
+    set_seed(args.seed)  # Accelerate: one model on every rank, before any cut
+    # the built-in GPT or a 🤗 causal LM (--model_name_or_path, --model_config), and its Task: a
+    # micro-batch's (loss_sum, n_targets), its evaluation and export (docs/your-model.md)
     from common.model import language_model
 
     model, task = language_model(args, data)
@@ -300,14 +317,14 @@ def main():
     n_params, model_line = count_parameters(model), task.describe(model)
     # the TP plan, {module name: style}, of train_tp.py's MODEL section (the GPT's or a 🤗 model's)
     plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
-    check_layout_fits(model, task, units, layout, args, plan)  # every cut, on the full model: one line each
+    check_layout_fits(model, task, units, layout, args, plan)  # every cut, on the full model
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
+    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- the strategies, in torchtitan's order (above)
     stages, attention = apply_strategies(model, task, units, layout, args, plan, accelerator)
-    unsharded = args.unsharded_accumulation and layout.dp * layout.cp > 1  # FSDP: whole gradients through the window
+    unsharded = args.unsharded_accumulation and layout.dp * layout.cp > 1  # FSDP: whole gradients
     forward_backward, predict, eval_batch_size, pipeline = hybrid_step(
         accelerator, model, task, layout, args, stages, attention, unsharded
     )
@@ -315,20 +332,19 @@ def main():
     # ---------------------------------------- optimizer (after every cut: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    # Accelerate: optimizer/scheduler wrappers (not the model: each strategy owns it);
-    # the loader is sharded over the data-parallel ranks only
+    # Accelerate: optimizer/scheduler wrappers (not the model: each strategy owns it)
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
-    train_loader = shard_loader(train_loader, accelerator, layout)
-    if layout.pp == 1:  # a mean would train silently wrong; under PP no rank holds the whole model to run it
+    train_loader = shard_loader(train_loader, accelerator, layout)  # over the dp ranks only
+    if layout.pp == 1:  # a mean: refused (not under PP: no whole model)
         shards = (
             loss_parallel() if args.loss_parallel else plain_attention(task, model, attention) if attention else None
         )
         check_task_contract(task, model, data.validation, accelerator.device, shards)
     probe_step = forward_backward  # every cut, on a probe
-    probe_step.micro_batch_size = args.batch_size if layout.pp > 1 else None  # PP: the shapes its stages send
+    probe_step.micro_batch_size = args.batch_size if layout.pp > 1 else None  # PP: its shapes
     cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -339,7 +355,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
+    feed.seed_dropout(args.seed, layout)  # dropout: each dp rank its own masks
     monitor = RunMonitor(accelerator, args, "train_hybrid", feed, layout.world_size, global_batch_size)
     window = {"grad_accum": grad_accum, "unsharded_accumulation": unsharded}
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)
@@ -350,11 +366,11 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+        with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
             # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter of gradients
             with monitor.collectives():  # counts the first step's collectives
-                loss_sum = forward_backward(micro_batches, n_global_targets)  # one rank per replica holds it
+                loss_sum = forward_backward(micro_batches, n_global_targets)  # a rank per replica
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # sharded, over the stages
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # each rank updates what it holds
@@ -363,12 +379,13 @@ def main():
             step += 1
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
+            # Accelerate: the loss sums of all ranks (an all-reduce)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm)
-        if monitor.due(step, "eval"):  # each sample counted once; under PP forward only through the pipeline
+        if monitor.due(step, "eval"):  # each sample counted once
             result = evaluate(accelerator, model, task, data.validation, eval_batch_size, layout, predict)
             monitor.eval(step, result)
-        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
     feed.close()
 

@@ -44,7 +44,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
+# scripts run as files: copy common/ beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
@@ -67,9 +68,7 @@ from common.training import StepFeed, compile_units, make_optimizer, make_schedu
 
 
 # ======================================== Local SGD and DiLoCo: the strategy
-def local_forward_backward(
-    accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int
-) -> torch.Tensor:
+def local_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size):
     """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
     normalised by the target count of the whole global batch (all micro-batches, all ranks), not
     averaged per micro-batch (which weights targets unequally when their counts differ).
@@ -84,9 +83,8 @@ def local_forward_backward(
 
 
 def split_fragments(model, units: list, n_fragments: int) -> list[list[torch.nn.Parameter]]:
-    """Streaming DiLoCo's fragments: the units (blocks) cut into n_fragments runs of consecutive
-    blocks. The parameters outside every block join the nearest end: those registered before the
-    blocks (embeddings) the first fragment, those after them (final norm, head) the last."""
+    """Streaming DiLoCo's fragments: the blocks cut into n_fragments runs. The parameters outside
+    the blocks join the nearest end: embeddings the first fragment, final norm and head the last."""
     bounds = [round(f * len(units) / n_fragments) for f in range(n_fragments + 1)]
     fragments = [[p for u in units[a:b] for p in u.parameters()] for a, b in zip(bounds, bounds[1:])]
     in_units = {id(p) for fragment in fragments for p in fragment}
@@ -120,9 +118,9 @@ class ReplicaSync(ReplicaSyncState):
         self.fusion_group = torch.distributed.new_group() if self.overlap_steps and dp_size > 1 else None
         if self.outer_optimizer == "nesterov":  # DiLoCo: θ_last, the parameters at the last fusion
             self.last = [[p.detach().to("cpu", torch.float32, copy=True) for p in fr] for fr in fragments]
-            momentum = args.outer_momentum  # 0: plain SGD
+            momentum = args.outer_momentum  # 0: plain SGD; one SGD per fragment
             outer_sgd = partial(torch.optim.SGD, lr=args.outer_lr, momentum=momentum, nesterov=momentum > 0)
-            self.outer = [outer_sgd(last) for last in self.last]  # DiLoCo: one per fragment
+            self.outer = [outer_sgd(last) for last in self.last]
 
     @torch.no_grad()
     def fuse(self, fragment: int, step: int) -> None:
@@ -241,9 +239,9 @@ def main():
     check_localsgd_flags(args)  # Local SGD: K, the fragments, the outer optimizer, the launch
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
-    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
-    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision (launcher).
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (else each
+    # trains alone). The scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(
         args,
         cpu=args.cpu or not torch.cuda.is_available(),
@@ -256,24 +254,24 @@ def main():
     grad_accum, global_batch_size = batch_of_step(args, dp_size)  # the processes that joined
 
     # ---------------------------------------- data (checked before anything is written)
-    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    # the built-in data sets (addition, pystdlib, hub, your files) in the model's context and tokens
     from common.data import load_data
     from common.model import context_length, tokenizer_for
 
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
-    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
-    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
-    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    # ---------------------------------------- MODEL: the only lines that name the model
+    set_seed(args.seed)  # Accelerate: the same full model on every rank, whatever the layout
+    # the built-in GPT or a 🤗 causal LM (--model_name_or_path, --model_config), and its Task: a
+    # micro-batch's (loss_sum, n_targets), its evaluation and export (docs/your-model.md)
     from common.model import language_model
 
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
+    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     if args.compile:
         compile_units(task.units(model), accelerator)  # each unit, before DDP wraps the model
 
@@ -292,14 +290,16 @@ def main():
     fragments = split_fragments(model, units, args.fragments)
     # Accelerate: wraps the model in DistributedDataParallel (kept in no_sync below), moves
     # everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
-    restride_buffers(model)  # DDP: its broadcast of the buffers refuses a transposed one (the same values, laid out)
+    restride_buffers(model)  # DDP: its broadcast of the buffers refuses a transposed one
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     no_sync = accelerator.no_sync(model)  # Local SGD: DDP never all-reduces the gradients
     no_sync.__enter__()
     replica_sync = ReplicaSync(model, fragments, dp_size, args)  # DiLoCo: θ_last, once prepared
-    check_task_contract(task, model, data.validation, accelerator.device)  # one line per mistake, before step 1
+    check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
     probe_step = partial(local_forward_backward, accelerator, model, task, dp_size=dp_size)
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum)
+    cut_line = check_cut(
+        accelerator, model, probe_step, reference, task, data.validation, grad_accum
+    )
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler, replicas=True)
     replica_sync.resume(accelerator, resume_path, progress)  # DiLoCo: θ_last, the outer momentum
     feed = StepFeed(
@@ -311,9 +311,9 @@ def main():
         progress,
         task.count_targets,
     )
-    feed.seed_dropout(args.seed)  # dropout: each data-parallel rank its own masks, a resume the same ones
+    feed.seed_dropout(args.seed)  # dropout: each rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_localsgd", feed, dp_size, global_batch_size)
-    bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # BatchNorm: what differs from one process
+    bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # what differs from 1 process
     lines = [fusion_line(replica_sync, args, n_params), bn_line, cut_line]  # Local SGD: vs DDP
     monitor.start(task, model_line, n_params, data, lines, resume_path)
 
@@ -321,7 +321,7 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+        with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
             # Local SGD: forward and backward of each micro-batch; the gradients stay on this rank
             loss_sum = local_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
@@ -335,11 +335,13 @@ def main():
             fused = replica_sync.after_step(step)  # Local SGD: fuse the fragments due at this step
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
+            # Accelerate: the loss sums of all ranks (an all-reduce)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm, **replicas(accelerator, replica_sync, fused))
         if monitor.due(step, "eval") and step < args.max_steps:  # the last one: the fused model
             # Local SGD: between fusions, each rank scores its share of the samples with its replica
-            monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size))
+            scores = evaluate(accelerator, model, task, data.validation, args.eval_batch_size)
+            monitor.eval(step, scores)
         if monitor.due(step, "checkpoint") or feed.preempted:  # Local SGD: each rank its replica
             state = replica_sync.state_dict()  # DiLoCo: θ_last and the outer momentum
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts, True, extra_state=state)
@@ -348,7 +350,7 @@ def main():
     # ---------------------------------------- save
     if args.save_rank_models and step == args.max_steps:  # Local SGD: each rank's own replica
         save_rank_model(accelerator, model, task, args.output_dir, data_source(args))
-    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
+    if step == args.max_steps:  # every rank gathers what it holds; the main process writes
         replica_sync.finish(step)  # Local SGD: the final fusion: one model
         result = evaluate(accelerator, model, task, data.validation, args.eval_batch_size)
         spread = max(replica_spread(accelerator, replica_sync))  # Local SGD: 0, one model
@@ -357,7 +359,7 @@ def main():
     no_sync.__exit__(None, None, None)  # Local SGD: the end of DDP's no_sync
     costs = localsgd_summary(accelerator, replica_sync, args, step - progress["step"], n_params)
     monitor.summary(step, preempted=feed.preempted, **costs)
-    del model, optimizer, scheduler, train_loader, feed, replica_sync  # free DDP's wrapper, every peer still there
+    del model, optimizer, scheduler, train_loader, feed, replica_sync  # free DDP, the peers live
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

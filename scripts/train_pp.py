@@ -40,7 +40,8 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
+# scripts run as files: copy common/ beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn as nn
@@ -164,9 +165,8 @@ class PipelineStep:
         return torch.stack(losses).sum().detach() / self.scale  # back to this replica's loss sum
 
     def predict(self, *inputs):
-        """Forward only, through the pipeline (evaluate's `predict`): the last stage gets the
-        outputs of the whole batch, the others None. (The schedule also calls its loss function
-        there; the first input stands in for the targets, and loss_fn scores nothing.)"""
+        """Forward only (evaluate's `predict`): the last stage gets the whole batch's outputs, the
+        others None. The schedule's loss_fn scores nothing; the first input stands in for targets."""
         target = inputs[0] if self.has_last else None
         inputs = tuple(x for x in inputs if x is not None) if self.has_first else ()  # no None mask
         self.scoring = False
@@ -199,9 +199,9 @@ def main():
     parse_pipeline_flags(args)  # PP: checked before any process group exists
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
-    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
-    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision (launcher).
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (else each
+    # trains alone). The scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(
         args,
         cpu=args.cpu or not torch.cuda.is_available(),
@@ -214,17 +214,17 @@ def main():
     grad_accum, global_batch_size = batch_of_step(args, dp_size)
 
     # ---------------------------------------- data (checked before anything is written)
-    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    # the built-in data sets (addition, pystdlib, hub, your files) in the model's context and tokens
     from common.data import load_data
     from common.model import context_length, tokenizer_for
 
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
-    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
-    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
-    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    # ---------------------------------------- MODEL: the only lines that name the model
+    set_seed(args.seed)  # Accelerate: the same full model on every rank, whatever the layout
+    # the built-in GPT or a 🤗 causal LM (--model_name_or_path, --model_config), and its Task: a
+    # micro-batch's (loss_sum, n_targets), its evaluation and export (docs/your-model.md)
     from common.model import language_model
 
     model, task = language_model(args, data)
@@ -234,7 +234,7 @@ def main():
     check_pipeline_layout(layout, n_units, args, type(unit_modules(units)[0]).__name__)
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
+    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
 
     # ---------------------------------------- PP: the strategy, before the optimizer
     layout.build_mesh(accelerator.device.type)
@@ -251,11 +251,13 @@ def main():
     # Accelerate: optimizer and scheduler wrappers (not the model: PP owns it)
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_loader = shard_loader(train_loader, accelerator, layout)
-    check_task_contract(task, reference, data.validation, "cpu")  # PP: the uncut copy (no rank has all)
+    check_task_contract(task, reference, data.validation, "cpu")  # PP: the uncut copy
     probe_step = pipeline  # PP: the schedule, on a probe
     probe_step.micro_batch_size = args.batch_size  # PP: the shapes its stages send each other
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    cut_line = check_cut(
+        accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout
+    )
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -266,7 +268,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
+    feed.seed_dropout(args.seed, layout)  # dropout: each dp rank its own masks
     monitor = RunMonitor(accelerator, args, "train_pp", feed, layout.world_size, global_batch_size)
     pp_lines = pipeline_start_lines(layout, n_units, args)  # PP: the stages, the bubble in theory
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
@@ -277,7 +279,7 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+        with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
             # PP: all micro-batches through all stages, forward and backward
             with monitor.collectives():
@@ -290,19 +292,20 @@ def main():
             step += 1
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
+            # Accelerate: the loss sums of all ranks (an all-reduce)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
-            result = evaluate(  # PP: forward only, through the pipeline
+            scores = evaluate(  # PP: forward only, through the pipeline
                 accelerator, model, task, data.validation, args.batch_size, layout, predict=pipeline.predict
             )
-            monitor.eval(step, result)
-        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+            monitor.eval(step, scores)
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
     feed.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
+    if step == args.max_steps:  # every rank gathers what it holds; the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
     monitor.summary(step, preempted=feed.preempted, **costs, **pipeline.summary(args))

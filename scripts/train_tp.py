@@ -37,7 +37,8 @@ from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files: copy common/ beside this file
+# scripts run as files: copy common/ beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn as nn
@@ -73,17 +74,17 @@ from common.training import StepFeed, compile_units, make_optimizer, make_schedu
 
 # ======================================== MODEL: the TP plan, {module name: style} (docs/your-model.md)
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """Megatron's split of the built-in GPT, as a parallelize_module plan (only for the parts this rank holds).
+    """Megatron's split of the built-in GPT, as a parallelize_module plan (for the parts this rank holds).
 
-    Per block: q/k/v column-wise (each rank computes n_head/tp heads), o_proj row-wise;
-    up_proj column-wise, down_proj row-wise. One all-reduce after o_proj and one after
-    down_proj in forward (Megatron's g), one each at the block's inputs in backward (f).
-    With sequence parallel the norms work on a slice of the sequence, and each all-reduce
-    becomes an all-gather before attention/MLP plus a reduce-scatter after them."""
+    Per block: q/k/v column-wise (each rank computes n_head/tp heads), o_proj row-wise; up_proj
+    column-wise, down_proj row-wise. One all-reduce after o_proj and one after down_proj in forward
+    (Megatron's g), one each at the block's inputs in backward (f). With sequence parallel the norms
+    work on a slice of the sequence, and each all-reduce becomes an all-gather before attention/MLP
+    plus a reduce-scatter after them."""
     seq = Shard(1)  # the sequence dimension of (batch, seq, hidden)
     between_blocks = seq if sequence_parallel else Replicate()
     plan = {}
-    if model.tok_emb is not None:  # vocab-parallel: each rank holds vocab/tp rows; partial sums are reduced
+    if model.tok_emb is not None:  # vocab/tp rows each; sums reduced
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
         if sequence_parallel:  # positions of this rank's sequence slice, to add to its token slice
             plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq)
@@ -97,8 +98,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool, loss_paralle
                 f"{b}.attn.o_proj": RowwiseParallel(output_layouts=between_blocks),
                 f"{b}.mlp.up_proj": ColwiseParallel(),
                 f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=between_blocks),
-                # attention and MLP take their input as one replicated DTensor (all-gathered from the sequence
-                # slices under SP): q, k and v share it, so backward reduces its gradient once, not 3 times
+                # attention and MLP take their input as one replicated DTensor (all-gathered from
+                # the sequence slices under SP): q, k and v share it, so backward reduces its
+                # gradient once, not 3 times
                 f"{b}.attn": PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),)),
                 f"{b}.mlp": PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),)),
             }
@@ -127,25 +129,26 @@ def model_tp_plan(model: nn.Module, task, layout: Layout, sequence_parallel: boo
         return hf_tp_plan(model, task.units_path, layout, sequence_parallel, loss_parallel)
     from common.model import check_gpt_split
 
-    check_gpt_split(task.cfg, layout.tp)  # the GPTConfig: TP divides heads, MLP width (4 x n_embd), vocabulary
+    check_gpt_split(task.cfg, layout.tp)  # TP divides heads, MLP width, vocabulary
     return tensor_parallel_plan(model, sequence_parallel, loss_parallel)
 
 
 # ======================================== TP: the strategy
 def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict) -> None:
-    """parallelize_module swaps each weight the plan names for a DTensor shard over `tp_mesh` (a 1-D mesh)
-    and adds the f/g collectives as hooks. `plan`: {module name: style}, the MODEL section's (model_tp_plan),
-    checked with check_tp_plan first."""
-    check_tp_keeps_ties(model, plan)  # a tied weight the plan cuts would train untied: one line instead
+    """parallelize_module swaps each weight the plan names for a DTensor shard over `tp_mesh` (a 1-D
+    mesh) and adds the f/g collectives as hooks. `plan`: {module name: style}, the MODEL section's
+    (model_tp_plan), checked with check_tp_plan first."""
+    check_tp_keeps_ties(model, plan)  # a tied weight cut trains untied
     parallelize_module(model, tp_mesh, plan)
 
 
 def tp_forward_backward(
     accelerator, model, task, micro_batches: list, n_global_targets, use_loss_parallel: bool, counts_loss: bool
 ) -> torch.Tensor:
-    """Forward and backward of this rank's micro-batches (the whole TP group runs the same ones); returns
-    their loss sum where `counts_loss` (the ranks of a TP group hold the same sum: one per group counts
-    it, layout.holds_loss), else zero. Normalised by the global batch's target count."""
+    """Forward and backward of this rank's micro-batches (the whole TP group runs the same ones);
+    returns their loss sum where `counts_loss` (the ranks of a TP group hold the same sum: one per
+    group counts it, layout.holds_loss), else zero. Normalised by the global batch's target count.
+    """
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         # TP: under --loss_parallel the cross-entropy runs on the vocabulary shards of the logits
@@ -178,44 +181,45 @@ def main():
     check_core_args(args)
 
     # ---------------------------------------- Accelerator and layout
-    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision from the launcher.
-    # cpu=True where CUDA is missing: the N processes then join one gloo group (without it, each trains alone).
-    # The scheduler counts optimizer steps (step_scheduler_with_optimizer=False), whatever the layout.
+    # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision (launcher).
+    # cpu=True where CUDA is missing: the N processes then join one gloo group (else each
+    # trains alone). The scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(
         args,
         cpu=args.cpu or not torch.cuda.is_available(),
         sharded=True,  # TP owns the model: refuses a launch that also asks Accelerate to shard it
         step_scheduler_with_optimizer=False,
     )
-    dp_shard = 1 if args.tp_size == -1 else -1  # TP: a smaller --tp_size leaves dp groups (refused below)
+    dp_shard = 1 if args.tp_size == -1 else -1  # TP: a smaller --tp_size: refused below
     layout = Layout.from_degrees(accelerator.num_processes, tp=args.tp_size, dp_shard=dp_shard)
     check_tp_layout(layout)  # TP: TP only; data parallel beside TP is train_hybrid.py's
     dp_size = layout.dp  # TP: 1, every rank of the TP group reads the same batch
     grad_accum, global_batch_size = batch_of_step(args, dp_size)
 
     # ---------------------------------------- data (checked before anything is written)
-    # the built-in data sets (addition, pystdlib, hub, your files), cut to the model's context, in its tokens
+    # the built-in data sets (addition, pystdlib, hub, your files) in the model's context and tokens
     from common.data import load_data
     from common.model import context_length, tokenizer_for
 
     data = load_data(args, accelerator, context_length(args), tokenizer_for(args))
     train_loader = make_train_loader(data.train, args.batch_size, global_batch_size, args.seed)
 
-    # ---------------------------------------- MODEL: the only lines that name the model (docs/your-model.md)
-    set_seed(args.seed)  # Accelerate: the same full model on every rank: init independent of the layout
-    # the built-in GPT, or a 🤗 transformers causal LM (--model_name_or_path, --model_config), and its Task:
-    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and export
+    # ---------------------------------------- MODEL: the only lines that name the model
+    set_seed(args.seed)  # Accelerate: the same full model on every rank, whatever the layout
+    # the built-in GPT or a 🤗 causal LM (--model_name_or_path, --model_config), and its Task: a
+    # micro-batch's (loss_sum, n_targets), its evaluation and export (docs/your-model.md)
     from common.model import language_model
 
-    model, task = language_model(args, data, on_meta=True)  # TP: a 🤗 model on meta, made below in shards
+    model, task = language_model(args, data, on_meta=True)  # TP: a 🤗 model on meta
     on_meta = any(p.is_meta for p in model.parameters())
     model = model if on_meta else model.to(accelerator.device)
     plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
     n_params, model_line = count_parameters(model), task.describe(model)
-    check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: the plan fits the model
-    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)  # TP: ... the layout and the data
+    check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: fits the model
+    # TP: ... the layout and the data
+    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # the model as built: what the cut must compute
+    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     units = task.units(model)  # before the cut: --compile compiles each unit after it
 
     # ---------------------------------------- TP: the strategy
@@ -223,8 +227,8 @@ def main():
     # DTensor, about 4x DDP's host time per step (docs/benchmarks.md). Like torchtitan, skip it.
     layout.build_mesh(accelerator.device.type)
     if layout.tp > 1:
-        apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: every weight the plan names becomes a shard
-    if on_meta:  # TP: each rank makes only its shards, never the whole model (read, or initialised, in slices)
+        apply_tensor_parallel(model, layout.sub("tp"), plan)  # TP: its weights become shards
+    if on_meta:  # TP: each rank makes only its shards (read or initialised)
         model.to_empty(device=accelerator.device)
         task.materialize(model)
     if args.compile:
@@ -234,15 +238,19 @@ def main():
     optimizer = make_optimizer(model, args)  # TP: after the cut, it holds each rank's shards
     scheduler = make_scheduler(optimizer, args)
     train_sampler = train_loader.sampler
-    # Accelerate: optimizer/scheduler wrappers (not the model: TP owns it); every TP rank reads the same batch
+    # Accelerate: optimizer/scheduler wrappers (not the model: TP owns it); every TP rank reads the
+    # same batch
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_loader = shard_loader(train_loader, accelerator, layout)
     lp = loss_parallel() if args.loss_parallel else None  # TP: the loss on vocabulary shards
-    check_task_contract(task, model, data.validation, accelerator.device, lp)  # one line per mistake, before step 1
+    check_task_contract(task, model, data.validation, accelerator.device, lp)  # before step 1
     probe_step = partial(tp_forward_backward, accelerator, model, task)  # TP: the step, on a probe
-    probe_step.keywords.update(use_loss_parallel=args.loss_parallel, counts_loss=layout.holds_loss)  # TP: its flags
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
-    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # step 0 without a checkpoint
+    # TP: its flags
+    probe_step.keywords.update(use_loss_parallel=args.loss_parallel, counts_loss=layout.holds_loss)
+    cut_line = check_cut(
+        accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout
+    )
+    progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -253,7 +261,7 @@ def main():
         task.count_targets,
         dp_group=layout.group("dp"),
     )
-    feed.seed_dropout(args.seed, layout)  # dropout: each data-parallel rank its own masks, a resume the same ones
+    feed.seed_dropout(args.seed, layout)  # dropout: each dp rank its own masks
     monitor = RunMonitor(accelerator, args, "train_tp", feed, layout.world_size, global_batch_size)
     tp_lines, megatron = tp_start_lines(model, plan, layout, args, task.tokens_per_sample or 1, on_meta)
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
@@ -263,14 +271,15 @@ def main():
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
     model.train()
     while step < last_step and not feed.preempted:
-        with monitor.timed_step():  # training time: the records, evaluations and checkpoints below are not
+        with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
             # TP: the whole TP group runs the same micro-batches; each layer's f/g collectives inside
             with monitor.collectives():
                 loss_sum = tp_forward_backward(
                     accelerator, model, task, micro_batches, n_global_targets, args.loss_parallel, layout.holds_loss
                 )
-            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # TP: the norm over the shards
+            # TP: the norm over the shards
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -278,19 +287,21 @@ def main():
             step += 1
 
         if monitor.due(step, "train"):
-            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()  # Accelerate: all-reduce
+            # Accelerate: the loss sums of all ranks (an all-reduce)
+            loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm)
-        if monitor.due(step, "eval"):  # TP: each sample counted once, by TP rank 0 (layout.holds_loss)
-            monitor.eval(step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout))
-        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part (a collective)
+        if monitor.due(step, "eval"):  # TP: each sample counted once
+            scores = evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout)
+            monitor.eval(step, scores)
+        if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
     feed.close()
 
     # ---------------------------------------- save
-    if step == args.max_steps:  # every rank (it gathers what the model holds); the main process writes
+    if step == args.max_steps:  # every rank gathers what it holds; the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
-    monitor.summary(step, preempted=feed.preempted, **costs, **megatron)  # TP: with Megatron's count
+    monitor.summary(step, preempted=feed.preempted, **costs, **megatron)  # TP: + Megatron's count
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group
 
