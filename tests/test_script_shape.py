@@ -3,6 +3,7 @@ names from other project files, only the MODEL section names the model, and a di
 scripts shows the strategy and little else. These read the sources; they launch nothing."""
 
 import ast
+import difflib
 import re
 import subprocess
 
@@ -252,3 +253,27 @@ def test_common_is_few_floors_deep():
     worst = max(chains.values(), key=len)
     print(f"\ncommon/ is {len(worst)} floors deep: {' -> '.join(worst)}")
     assert len(worst) <= MAX_COMMON_FLOORS, f"common/ is {len(worst)} floors deep: {' -> '.join(worst)}"
+
+
+# ----------------------------------------------------------------------------- one skeleton in every main()
+# issue 43 keeps "the same 35 lines of main() in all 8 scripts": the non-blank lines of train_ddp.py's main()
+# that every lesson's main() holds too, in the same order (difflib's matching blocks). 41 after the redesign.
+MIN_SHARED_MAIN_LINES = 38
+
+
+def main_lines(script: str) -> list[str]:
+    text = (SCRIPTS / script).read_text()
+    main = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    return text.splitlines()[main.lineno - 1 : main.end_lineno]
+
+
+def test_every_main_holds_the_same_skeleton():
+    skeleton = main_lines(SKELETON)
+    shared = {i for i, line in enumerate(skeleton) if line.strip()}
+    for script in TRAINING_SCRIPTS:
+        matcher = difflib.SequenceMatcher(None, skeleton, main_lines(script), autojunk=False)
+        shared &= {b.a + k for b in matcher.get_matching_blocks() for k in range(b.size)}
+    print(f"\n{len(shared)} lines of {SKELETON}'s main() are in every lesson's main(), in order")
+    assert len(shared) >= MIN_SHARED_MAIN_LINES, (
+        f"only {len(shared)} lines of {SKELETON}'s main() are in every lesson (at least {MIN_SHARED_MAIN_LINES})"
+    )
