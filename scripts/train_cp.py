@@ -529,9 +529,7 @@ def main():
     kv_shape = attention_shapes(task, model, accelerator.device) if layout.cp > 1 else None
     if layout.cp > 1 and args.cp_impl == "ulysses":
         check_ulysses_heads(layout, kv_shape)  # CP: the heads divide by cp, or one line
-    resume_path, facts = check_resume_and_output(
-        accelerator, args, model, task, global_batch_size, layout
-    )
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
@@ -563,13 +561,9 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     whole = plain_attention(task, model, attention) if attention else None  # CP: whole sequences
     check_task_contract(task, model, data.validation, accelerator.device, whole)
-    probe_step = partial(
-        cp_forward_backward, accelerator, model, loss_of=loss_of, grad_scale=grad_scale
-    )
+    probe_step = partial(cp_forward_backward, accelerator, model, loss_of=loss_of, grad_scale=grad_scale)
     probe_step.token_positions = getattr(loss_of, "positions", None)  # CP: compared there
-    cut_line = check_cut(
-        accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout
-    )
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     reset_traffic(attention)  # CP: the summary's bytes are the run's, not the probe's
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
@@ -596,9 +590,7 @@ def main():
         with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
             with monitor.collectives():  # CP: the ring's K/V; FSDP: all-gather, reduce-scatter
-                loss_sum = cp_forward_backward(
-                    accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale
-                )
+                loss_sum = cp_forward_backward(accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale)
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # FSDP: each rank updates its own shard
@@ -612,9 +604,7 @@ def main():
             monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
             monitor.eval(
-                step, evaluate(
-                    accelerator, model, task, data.validation, args.eval_batch_size, layout, predict
-                )
+                step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout, predict)
             )
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
@@ -622,9 +612,7 @@ def main():
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank gathers what it holds; the main process writes
-        export_model(
-            accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout
-        )
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
     if attention:  # CP: the run's measured traffic beside the formula's
         costs |= cp_traffic(attention, formula, step - progress["step"])

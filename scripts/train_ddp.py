@@ -136,9 +136,7 @@ def main():
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
     probe_step = partial(ddp_forward_backward, accelerator, model, task, dp_size=dp_size)
-    cut_line = check_cut(
-        accelerator, model, probe_step, reference, task, data.validation, grad_accum
-    )
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,

@@ -171,9 +171,7 @@ def main():
     add_builtin_flags(parser, moe=True)  # data and a model of your own: drop these two lines
     parser.set_defaults(n_experts=None)  # EP: the built-in GPT's 8 experts, or a 🤗 model's own
     g = parser.add_argument_group("expert parallel")
-    g.add_argument(
-        "--ep_size", type=int, help="ranks the experts are cut over (default: all processes)"
-    )
+    g.add_argument("--ep_size", type=int, help="ranks the experts are cut over (default: all processes)")
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/ep"
     hf_model = check_moe_flags(args, parser)  # EP: a 🤗 model brings its own experts
@@ -217,9 +215,7 @@ def main():
     expert_modules = experts_of(model, task)  # EP: what it cuts, each MoE layer's batched experts
     check_experts(model, task, expert_modules, ep_size, dp_size)  # EP: one line per mistake
     n_params, model_line = count_parameters(model), task.describe(model)
-    resume_path, facts = check_resume_and_output(
-        accelerator, args, model, task, global_batch_size, layout
-    )
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
@@ -240,9 +236,7 @@ def main():
     train_loader = shard_loader(train_loader, accelerator, layout)
     check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
     probe_step = partial(ep_forward_backward, accelerator, model, task, dp_size=dp_size)  # the step
-    cut_line = check_cut(
-        accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout
-    )
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,
@@ -268,9 +262,7 @@ def main():
         with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
             with monitor.collectives():  # EP: all-to-alls in every MoE layer
-                loss_sum = ep_forward_backward(
-                    accelerator, model, task, micro_batches, n_global_targets, dp_size
-                )
+                loss_sum = ep_forward_backward(accelerator, model, task, micro_batches, n_global_targets, dp_size)
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -283,9 +275,7 @@ def main():
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm, **routing())  # EP: the record adds the routing
         if monitor.due(step, "eval"):
-            scores = evaluate(
-                accelerator, model, task, data.validation, args.eval_batch_size, layout
-            )
+            scores = evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout)
             monitor.eval(step, scores)
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
@@ -293,9 +283,7 @@ def main():
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank gathers what it holds; the main process writes
-        export_model(
-            accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout
-        )
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
     costs = {**ep_summary(expert_modules, ep_size), **costs}  # EP: the experts' bytes on this rank
     monitor.summary(step, preempted=feed.preempted, **costs)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Fully sharded data parallel (FSDP2, ZeRO-3 style) with PyTorch's `fully_shard`, under 🤗 Accelerate.
+"""Fully sharded data parallel (FSDP2, ZeRO-3 style) with PyTorch's `fully_shard`, under 🤗
+Accelerate.
 
 Like DDP, every rank trains on its own slice of each global batch. Unlike DDP, no rank holds
 the whole model: each parameter, its gradient and its optimizer state are cut into N shards,
@@ -7,18 +8,20 @@ one per rank. A block's full weights exist only while that block computes:
 
     for each block, forward:   all-gather the block's shards -> compute -> free the gathered copy
     for each block, backward:  all-gather again -> compute grads -> reduce-scatter them -> free
-    optimizer step:            each rank updates only its own shard (Adam state for 1/N of the model)
+    optimizer step:            each rank updates only its own shard (Adam state for 1/N)
 
-    memory per rank (fp32 Adam):  DDP 16 bytes x params    FSDP 16/N bytes x params (+ one block unsharded)
-    communication per step:       DDP all-reduce 2x        FSDP all-gather x2 + reduce-scatter = 3x (1.5x DDP)
-    gradient accumulation:        a reduce-scatter per micro-batch, gradients sharded (--unsharded_accumulation:
-                                  whole gradients through the window, one reduce-scatter at its last micro-batch)
+    memory per rank (fp32 Adam):  DDP 16 bytes x params   FSDP 16/N bytes x params (+ 1 block)
+    communication per step:       DDP all-reduce 2x       FSDP all-gather x2 + reduce-scatter = 3x
+    gradient accumulation:        a reduce-scatter per micro-batch, gradients sharded
+                                  (--unsharded_accumulation: whole gradients through the window,
+                                  one reduce-scatter at its last micro-batch)
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_fsdp.py
-    accelerate launch --config_file accelerate_configs/gpu_multi.yaml --mixed_precision bf16 scripts/train_fsdp.py
-    ... scripts/train_fsdp.py --dp_replicate 2     # HSDP: shard inside groups, replicate across them
-    python scripts/train_fsdp.py                   # one process: nothing to shard, fully_shard not applied
+    accelerate launch --config_file accelerate_configs/gpu_multi.yaml scripts/train_fsdp.py
+    ... scripts/train_fsdp.py --dp_replicate 2     # HSDP: shard inside groups, replicate across
+    python scripts/train_fsdp.py                   # one process: nothing to shard, none applied
+(on GPUs, `--mixed_precision bf16` after `accelerate launch`: bf16 compute, fp32 reductions)
 Lines marked `# FSDP:` are the strategy; `# Accelerate:` the library's part. Accelerate's own
 FSDP plugin is not used (on CPU it is silently ignored): this file applies FSDP2 itself.
 """
@@ -110,6 +113,12 @@ def fsdp_forward_backward(
     return step_loss_sum
 
 
+SYNC_BATCHNORM_HELP = (
+    "BatchNorm over the global micro-batch (all ranks): the same run as one process (without "
+    "it, each rank normalises its own micro-batch; DDP keeps rank 0's running statistics)"
+)
+
+
 def main():
     # ---------------------------------------- flags
     parser = build_parser(__doc__)
@@ -118,19 +127,16 @@ def main():
     add_builtin_flags(parser, moe=True)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("fully sharded data parallel")
     g.add_argument("--dp_replicate", type=int, default=1, help="HSDP: replicate over N groups, shard inside each")
-    reshard = "ZeRO-3: free each unit's gathered weights after forward (--no-reshard_after_forward: ZeRO-2 like)"
-    g.add_argument(
-        "--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True, help=reshard
-    )
+    reshard = "ZeRO-3: free each unit's gathered weights after forward "
+    reshard += "(--no-reshard_after_forward: ZeRO-2 like)"
+    g.add_argument("--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True, help=reshard)
     g.add_argument("--cpu_offload", action="store_true", help="keep shards, gradients, optimizer state in CPU memory")
-    g.add_argument(
-        "--activation_checkpointing", action="store_true", help="recompute each unit's activations"
-    )
-    whole = "keep whole-model unsharded gradients through the accumulation window and reduce-scatter once at its "
-    whole += "last micro-batch: less communication, more memory (default: reduce-scatter every micro-batch)"
+    g.add_argument("--activation_checkpointing", action="store_true", help="recompute each unit's activations")
+    whole = "keep whole-model unsharded gradients through the accumulation window and "
+    whole += "reduce-scatter once at its last micro-batch: less communication, more memory "
+    whole += "(default: reduce-scatter every micro-batch)"
     g.add_argument("--unsharded_accumulation", action="store_true", help=whole)
-    sync_bn = "BatchNorm over the global micro-batch (all dp ranks): the same run as one process (without it, each "
-    g.add_argument("--sync_batchnorm", action="store_true", help=sync_bn + "rank normalises its own micro-batch)")
+    g.add_argument("--sync_batchnorm", action="store_true", help=SYNC_BATCHNORM_HELP)
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/fsdp"
     check_core_args(args)
@@ -145,16 +151,12 @@ def main():
         sharded=True,  # refuses a launch that also asks Accelerate to shard
         step_scheduler_with_optimizer=False,
     )
-    layout = Layout.from_degrees(
-        accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1
-    )
+    layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1)
     dp_size = layout.dp  # FSDP: every rank is a data-parallel rank, holding 1/dp_shard of the model
     # batch_size x dp_size x accumulation
     grad_accum, global_batch_size = batch_of_step(args, dp_size)
     if args.cpu_offload and accelerator.device.type == "cpu":  # FSDP: nothing to offload to
-        raise UsageError(
-            "--cpu_offload moves state to CPU memory, but this run is already on the CPU: drop it"
-        )
+        raise UsageError("--cpu_offload moves state to CPU memory, but this run is already on the CPU: drop it")
 
     # ---------------------------------------- data (checked before anything is written)
     # the built-in data sets (addition, pystdlib, hub, your files) in the model's context and tokens
@@ -182,9 +184,7 @@ def main():
     # the repeated units: one FSDP unit each, activation checkpointing, --compile
     units = task.units(model)
     n_params, model_line = count_parameters(model), task.describe(model)
-    resume_path, facts = check_resume_and_output(
-        accelerator, args, model, task, global_batch_size, layout
-    )
+    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
@@ -219,9 +219,7 @@ def main():
     check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
     unsharded = args.unsharded_accumulation and shard  # FSDP: whole gradients in the window
     probe_step = partial(fsdp_forward_backward, accelerator, model, task, dp_size=dp_size)
-    cut_line = check_cut(
-        accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout
-    )
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,
@@ -234,9 +232,7 @@ def main():
         dp_group=layout.group("dp"),
     )
     feed.seed_dropout(args.seed, layout)  # dropout: each dp rank its own masks, a resume the same
-    monitor = RunMonitor(
-        accelerator, args, "train_fsdp", feed, layout.world_size, global_batch_size
-    )
+    monitor = RunMonitor(accelerator, args, "train_fsdp", feed, layout.world_size, global_batch_size)
     fsdp_line = f"FSDP over {layout.dp_replicate} x {layout.dp_shard} ranks (replicas x shards)"
     fsdp_line += "" if len(units) else "; the Task names no units: the whole model is one FSDP unit"
     fsdp_line = fsdp_line if shard else "FSDP over 1 rank: nothing to shard, so fully_shard is not applied"
@@ -245,9 +241,7 @@ def main():
     window = {"grad_accum": grad_accum, "unsharded_accumulation": unsharded}
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # what differs from 1 process
-    monitor.start(
-        task, model_line, n_params, data, [fsdp_line, costs, bn_line, cut_line], resume_path, layout
-    )
+    monitor.start(task, model_line, n_params, data, [fsdp_line, costs, bn_line, cut_line], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)
@@ -274,9 +268,7 @@ def main():
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
-            scores = evaluate(
-                accelerator, model, task, data.validation, args.eval_batch_size, layout
-            )
+            scores = evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout)
             monitor.eval(step, scores)
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
@@ -284,13 +276,9 @@ def main():
 
     # ---------------------------------------- save
     if step == args.max_steps:  # every rank gathers what it holds; the main process writes
-        export_model(
-            accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout
-        )
+        export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     # FSDP: with the gradients the window holds
-    costs = sharded_summary(
-        accelerator, layout, n_params, args.optimizer, model, optimizer, **window
-    )
+    costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, **window)
     monitor.summary(step, preempted=feed.preempted, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

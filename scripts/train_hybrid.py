@@ -11,7 +11,7 @@ they compose because each one talks only inside its own groups:
                       └ tp ┘
     - pp: stage 0 holds units 0..L/2-1 and the embeddings, stage 1 the rest and the head;
       activations go 0 -> 1, gradients 1 -> 0 (send/recv between pp peers)
-    - tp: inside [ | ], each weight matrix is split in two (all-reduces inside the pair, every layer)
+    - tp: inside [ | ], each weight matrix is split in two (all-reduces in the pair, every layer)
     - dp: the two columns train on different halves of the batch; FSDP shards each stage's
       (already TP-split) weights between them (all-gather / reduce-scatter per unit)
     - dp_replicate x dp_shard = HSDP: shard inside a group, replicate across groups
@@ -22,9 +22,12 @@ activations, once per stage boundary), FSDP/DP over the rest.
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml --num_processes 4 \\
         scripts/train_hybrid.py --dp_shard 2 --tp_size 2
-    accelerate launch ... --num_processes 8 scripts/train_hybrid.py --n_layer 4 --pp_size 2 --dp_shard 2 --tp_size 2
-    accelerate launch ... --num_processes 4 scripts/train_hybrid.py --model_config llama --dp_shard 2 --tp_size 2
-    accelerate launch ... --num_processes 2 scripts/train_hybrid.py --tp_size 1 --dp_shard 2   # FSDP, no TP split
+    accelerate launch ... --num_processes 8 scripts/train_hybrid.py \\
+        --n_layer 4 --pp_size 2 --dp_shard 2 --tp_size 2
+    accelerate launch ... --num_processes 4 scripts/train_hybrid.py \\
+        --model_config llama --dp_shard 2 --tp_size 2
+    accelerate launch ... --num_processes 2 scripts/train_hybrid.py \\
+        --tp_size 1 --dp_shard 2   # FSDP, no TP split
 Strategies are applied in a fixed order (split into stages, then TP, then activation checkpointing,
 then --compile, then FSDP), by the functions imported from train_pp.py, train_tp.py, train_cp.py and
 train_fsdp.py: this file holds the mesh, the order and its own step (TP beside FSDP). The MODEL
@@ -191,9 +194,7 @@ def hybrid_step(accelerator, model, task, layout: Layout, args, stages, attentio
     step.keywords.update(unsharded_accumulation=unsharded)
     if layout.cp > 1:  # CP: each rank's slice of every sequence; evaluation whole
         # FSDP averages the gradients over dp x cp ranks: the step scales back
-        step.keywords.update(
-            loss_of=cp_loss(task, layout, accelerator.device), grad_scale=layout.dp * layout.cp
-        )
+        step.keywords.update(loss_of=cp_loss(task, layout, accelerator.device), grad_scale=layout.dp * layout.cp)
         return step, whole_sequence_predict(model, task, attention, layout), args.eval_batch_size, None
     step.keywords.update(loss_of=tp_loss(task, args.loss_parallel), grad_scale=layout.dp)
     return step, None, args.eval_batch_size, None
@@ -250,9 +251,7 @@ def add_layout_args(parser) -> None:
     g = parser.add_argument_group(LAYOUT_FLAGS)
     g.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     g.add_argument("--dp_replicate", type=int, default=1, help="data-parallel replicas (HSDP: replicate across them)")
-    g.add_argument(
-        "--dp_shard", type=int, default=-1, help="data-parallel ranks that shard the model (FSDP)"
-    )
+    g.add_argument("--dp_shard", type=int, default=-1, help="data-parallel ranks that shard the model (FSDP)")
     g.add_argument("--tp_size", type=int, default=1, help="ranks per tensor-parallel group (1: FSDP, no TP split)")
     g.add_argument(
         "--cp_size", type=int, default=1, help="context parallel: ranks that cut each sequence (train_cp.py)"
@@ -312,7 +311,7 @@ def main():
 
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
-    # the repeated units: the pipeline split, TP's layers, activation checkpointing, --compile, FSDP units
+    # the repeated units: the pipeline split, TP's layers, checkpointing, --compile, FSDP units
     units = task.units(model)
     n_params, model_line = count_parameters(model), task.describe(model)
     # the TP plan, {module name: style}, of train_tp.py's MODEL section (the GPT's or a 🤗 model's)
@@ -368,7 +367,7 @@ def main():
     while step < last_step and not feed.preempted:
         with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
-            # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter of gradients
+            # PP: through the stages; TP: every layer's f/g; FSDP: per unit all-gather, reduce-scatter
             with monitor.collectives():  # counts the first step's collectives
                 loss_sum = forward_backward(micro_batches, n_global_targets)  # a rank per replica
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)  # sharded, over the stages

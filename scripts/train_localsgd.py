@@ -297,9 +297,7 @@ def main():
     replica_sync = ReplicaSync(model, fragments, dp_size, args)  # DiLoCo: θ_last, once prepared
     check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
     probe_step = partial(local_forward_backward, accelerator, model, task, dp_size=dp_size)
-    cut_line = check_cut(
-        accelerator, model, probe_step, reference, task, data.validation, grad_accum
-    )
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler, replicas=True)
     replica_sync.resume(accelerator, resume_path, progress)  # DiLoCo: θ_last, the outer momentum
     feed = StepFeed(

@@ -254,9 +254,7 @@ def main():
     check_task_contract(task, reference, data.validation, "cpu")  # PP: the uncut copy
     probe_step = pipeline  # PP: the schedule, on a probe
     probe_step.micro_batch_size = args.batch_size  # PP: the shapes its stages send each other
-    cut_line = check_cut(
-        accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout
-    )
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,

@@ -247,9 +247,7 @@ def main():
     probe_step = partial(tp_forward_backward, accelerator, model, task)  # TP: the step, on a probe
     # TP: its flags
     probe_step.keywords.update(use_loss_parallel=args.loss_parallel, counts_loss=layout.holds_loss)
-    cut_line = check_cut(
-        accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout
-    )
+    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
     feed = StepFeed(
         accelerator,
