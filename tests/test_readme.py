@@ -51,3 +51,32 @@ def test_main_job_command_end_to_end(tmp_path, data_cache):
     result = run_cmd([sys.executable, *eval_args], env=job_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert '"num_samples": 1000' in result.stdout and " i.e. " in result.stdout
+
+
+# ----------------------------------------------------------------------------- the core, by line
+# issue 43: README's scripts table and its "read more" list point at the line where each lesson's strategy
+# is applied (its first line of the strategy's own PyTorch calls); this is what that line holds.
+CORE_LINES = {
+    "train_ddp.py": "accelerator.prepare(model",
+    "train_localsgd.py": "torch.distributed.all_reduce(flat)",
+    "train_fsdp.py": "fully_shard(unit",
+    "train_tp.py": "parallelize_module(model",
+    "train_pp.py": "def split_pipeline",
+    "train_ep.py": "received = all_to_all_single_autograd",
+    "train_cp.py": "for step in range(steps):",
+    "train_hybrid.py": "def apply_strategies",
+}
+# [... N ...](scripts/train_X.py#LN), or ../../scripts/ from docs/zh/
+CORE_LINK = re.compile(r"\[[^\]]*?(\d+)[^\]\d]*\]\((?:\.\./\.\./)?scripts/(train_\w+\.py)#L(\d+)\)")
+
+
+def test_the_readme_points_at_each_core_line():
+    for page in (REPO / "README.md", REPO / "docs" / "zh" / "README.md"):
+        text = page.read_text(encoding="utf-8")
+        links = CORE_LINK.findall(text)
+        assert {script for _, script, _ in links} == set(CORE_LINES), f"{page.name}: a lesson's core is not linked"
+        for shown, script, number in links:
+            assert shown == number, f"{page}: the link to scripts/{script}#L{number} says line {shown}"
+            lines = (REPO / "scripts" / script).read_text().splitlines()
+            line = lines[int(number) - 1] if int(number) <= len(lines) else ""
+            assert CORE_LINES[script] in line, f"{page}: scripts/{script}#L{number} is `{line.strip()}`"
