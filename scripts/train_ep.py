@@ -205,9 +205,8 @@ def main():
 
     # ---------------------------------------- MODEL: the only lines that name the model
     set_seed(args.seed)  # Accelerate: the same full model on every rank, whatever the layout
-    # the built-in MoE GPT, or a 🤗 MoE model (--model_name_or_path, --model_config), and its Task:
-    # the loss of a micro-batch as (loss_sum, n_targets), the targets it counts, its evaluation and
-    # export
+    # the built-in MoE GPT or a 🤗 MoE model (--model_name_or_path, --model_config), and its Task:
+    # a micro-batch's (loss_sum, n_targets), its evaluation and export (docs/your-model.md)
     from common.model import language_model
 
     model, task = language_model(args, data)

@@ -211,8 +211,8 @@ def main():
     # ---------------------------------------- optimizer (after sharding: it sees the shards)
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
-    # Accelerate: optimizer/scheduler wrappers (not the model: FSDP owns it); the loader
-    # sharded over the dp ranks
+    # Accelerate: optimizer/scheduler wrappers (not the model: FSDP owns it);
+    # the loader sharded over the dp ranks
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)

@@ -216,7 +216,7 @@ def main():
     plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
     n_params, model_line = count_parameters(model), task.describe(model)
     check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: fits the model
-    # TP: ... the layout and the data
+    # TP: and the flags fit the layout and the data
     check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
@@ -238,14 +238,14 @@ def main():
     optimizer = make_optimizer(model, args)  # TP: after the cut, it holds each rank's shards
     scheduler = make_scheduler(optimizer, args)
     train_sampler = train_loader.sampler
-    # Accelerate: optimizer/scheduler wrappers (not the model: TP owns it); every TP rank reads the
-    # same batch
+    # Accelerate: optimizer/scheduler wrappers (not the model: TP owns it);
+    # every TP rank reads the same batch
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_loader = shard_loader(train_loader, accelerator, layout)
     lp = loss_parallel() if args.loss_parallel else None  # TP: the loss on vocabulary shards
     check_task_contract(task, model, data.validation, accelerator.device, lp)  # before step 1
     probe_step = partial(tp_forward_backward, accelerator, model, task)  # TP: the step, on a probe
-    # TP: its flags
+    # TP: the step's flags
     probe_step.keywords.update(use_loss_parallel=args.loss_parallel, counts_loss=layout.holds_loss)
     cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
