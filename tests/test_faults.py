@@ -31,7 +31,7 @@ from conftest import (
 )
 
 sys.path.insert(0, str(SCRIPTS))
-from common import checkpoint
+from common import checkpoint, checkpoint_resume
 from common.model import GPT, GPTConfig
 
 STEPS = 10
@@ -159,7 +159,7 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
         if path.name.startswith("step_"):  # a complete checkpoint goes: a newer one must be readable
             newest = checkpoint.list_checkpoints(tmp_path)[-1]
             assert newest != path, f"{path.name} deleted while it is the newest complete checkpoint"
-            checkpoint.read_checkpoint_state(newest)
+            checkpoint_resume.read_checkpoint_state(newest)
             deleted.append(path.name)
         real_rmtree(path, *args, **kwargs)
 
@@ -172,13 +172,13 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
         (checkpoint.Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
         raise KeyboardInterrupt  # what a kill looks like from here: the save stops midway
 
-    real_dcp_save = checkpoint.dcp.save
-    monkeypatch.setattr(checkpoint.dcp, "save", dies_while_writing)
+    real_dcp_save = checkpoint_resume.dcp.save
+    monkeypatch.setattr(checkpoint_resume.dcp, "save", dies_while_writing)
     with pytest.raises(KeyboardInterrupt):
         save(15)
     checkpoints = checkpoint.list_checkpoints(tmp_path)
     assert [p.name for p in checkpoints] == ["step_10"]
-    assert checkpoint.read_checkpoint_state(tmp_path / "checkpoints" / "step_10")["step"] == 10
+    assert checkpoint_resume.read_checkpoint_state(tmp_path / "checkpoints" / "step_10")["step"] == 10
     assert checkpoint.resolve_checkpoint("auto", tmp_path) == tmp_path / "checkpoints" / "step_10"
     _, fresh_model, fresh_optimizer, fresh_scheduler = one_process_run()
     with torch.no_grad():
@@ -186,7 +186,7 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
     loaded = checkpoint.load_checkpoint(accelerator, checkpoints[-1], fresh_model, fresh_optimizer, fresh_scheduler)
     assert loaded["step"] == 10 and torch.equal(fresh_model.lm_head.weight, model.lm_head.weight)
 
-    monkeypatch.setattr(checkpoint.dcp, "save", real_dcp_save)
+    monkeypatch.setattr(checkpoint_resume.dcp, "save", real_dcp_save)
     save(20)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_20"], "the interrupted save's leftovers remain"
     assert deleted == ["step_5", "step_10"]

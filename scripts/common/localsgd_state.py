@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_extra_state, record_task
+from .checkpoint import record_task
+from .checkpoint_resume import load_extra_state
 from .errors import UsageError
 
 
