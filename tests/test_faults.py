@@ -222,20 +222,20 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
     this machine (`sleep`) killed, reaped, stopped, running, or gone after marking themselves survivors; and
     peers on other hosts, found only by the address in gloo's message. Only what is known is said: a survivor
     that left first, a running peer, an address that two hosts hold, or one of this host's, names nobody."""
-    from common import faults, peers
+    from common import faults, peer_records, peers
     from common.errors import RunPosition
 
     monkeypatch.setattr(faults.torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(faults.torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(RunPosition, "output_dir", str(tmp_path))
     monkeypatch.setattr(RunPosition, "started", time.time() - 1)
-    me = faults.this_process()
+    me = peer_records.this_process()
     host = socket.gethostname()
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(5)]
     try:
 
         def peer(rank: int, proc=None, **facts) -> dict:
-            started = faults._proc_stat(proc.pid)[19] if proc else None
+            started = peer_records._proc_stat(proc.pid)[19] if proc else None
             return me | {"rank": rank, "pid": proc.pid if proc else 0, "started": started} | facts
 
         killed, reaped, stopped, running, survivor = sleepers
@@ -246,7 +246,7 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
         for rank, name in ((8, "c"), (9, "c"), (10, "d")):  # c: 2 ranks; c and d both hold a docker bridge's
             where = {"pid_space": f"machine {name}", "net_space": f"machine {name}", "host": name}
             table.append(peer(rank, **where, addresses=["10.0.0.3", "172.17.0.1"] if name == "c" else ["172.17.0.1"]))
-        monkeypatch.setattr(faults, "PEERS", table)
+        monkeypatch.setattr(peer_records, "PEERS", table)
 
         def named(address: str = "127.0.0.1") -> str:
             return peers.named_peers(RuntimeError(f"Connection closed by peer [{address}]:4528"))
@@ -258,7 +258,7 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
         reaped.wait(), survivor.wait()
         stopped.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while [faults._proc_stat(p.pid)[0] for p in (killed, stopped)] != ["Z", "T"]:
+        while [peer_records._proc_stat(p.pid)[0] for p in (killed, stopped)] != ["Z", "T"]:
             assert time.monotonic() < deadline, "the signals did not arrive"
             time.sleep(0.01)
         this_host = [

@@ -14,6 +14,7 @@ import torch
 from accelerate.utils import get_int_from_env
 
 from .errors import RELEASE_AT_END, NothingToDo, RunPosition, UsageError, off_the_bar
+from .peer_records import record_peers
 
 # Where launchers put how many processes they started (torchrun WORLD_SIZE, mpirun PMI_SIZE ...):
 # get_int_from_env(WORLD_SIZE_VARS, 1), Accelerate's own reading of them.
@@ -124,9 +125,7 @@ def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **acc
             f"{accelerator.num_processes}): launch with accelerate launch --config_file "
             "accelerate_configs/cpu_multi.yaml"
         )
-    from .faults import record_peers  # who is who: a rank that loses a peer names it (faults.lost_peer_line)
-
-    record_peers()
+    record_peers()  # who is who: a rank that loses a peer names it (faults.lost_peer_line)
     if sharded:  # the script applies its strategy itself, on a device mesh (common/sharded.py)
         from .sharded import check_sharded_launch, init_one_process_group
 
