@@ -2,9 +2,9 @@
 died (gloo's and DCP's messages read here), naming that peer where it can be known (common/peers.py,
 from the records of common/peer_records.py), the one line for a process group that could not connect
 because gloo listens on an interface the other nodes cannot reach, the line written for the
-launcher's failure table (TORCHELASTIC_ERROR_FILE), and the grace a rank gives rank 0 to report a
-bad-input error. A training run imports it when it fails (launch.run_main), and an elastic one for
-the deadline on connecting its process group (launch.init_restart_safe_group)."""
+launcher's failure table (TORCHELASTIC_ERROR_FILE), the traceback a rank that crashed keeps, and the
+grace a rank gives rank 0 to report a bad-input error. A training run imports it only when it fails
+(launch.run_main; launch.connect_deadline, when its process group cannot connect in time)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,9 +81,7 @@ def _named_peers(error: BaseException) -> str:
 
 
 def _kept_tracebacks() -> str:
-    """ " The peer that crashed kept its traceback in: ..." where one did (run_main's keep_traceback)."""
-    from pathlib import Path
-
+    """ " The peer that crashed kept its traceback in: ..." where one did (keep_traceback)."""
     logs = Path(RunPosition.output_dir) / "logs" if RunPosition.output_dir else None
     kept = sorted(logs.glob("traceback_rank*.txt")) if logs and logs.is_dir() else []
     kept = [path for path in kept if path.stat().st_mtime >= RunPosition.started - 60]  # this run's (clocks differ)
@@ -157,27 +153,6 @@ def unreachable_peers_line(detail: str) -> str:
     )
 
 
-@contextmanager
-def connect_deadline(seconds: float):
-    """init_process_group within `seconds`, or one line and exit 1. gloo raises by itself on the rank that
-    cannot connect out, but the rank waiting for that connection can wait far longer than its timeout
-    (100 s for a timeout of 20, torch 2.13): a timer makes every rank give up in time."""
-
-    def give_up():
-        line = unreachable_peers_line(f"not connected after {seconds:g} s")
-        print(line, file=sys.stderr, flush=True)
-        report_to_launcher(line)
-        os._exit(1)  # the main thread is inside gloo's connect: nothing else can end it
-
-    timer = threading.Timer(seconds, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
-
 def collective_waited_for(error: BaseException) -> str:
     """Which collective the process was waiting in, and where in our code, from the traceback: the
     innermost torch.distributed call; else backward (DDP's gradient all-reduce runs in C++ hooks);
@@ -213,3 +188,17 @@ def report_to_launcher(message: str) -> None:
                 json.dump({"message": message, "timestamp": int(time.time())}, f)
         except OSError:
             pass
+
+
+def keep_traceback(error: BaseException) -> None:
+    """An unexpected exception on a rank: its traceback in OUTPUT_DIR/logs/traceback_rank<r>.txt, said on
+    stderr (the peers that lose this rank print one line each, and name the file)."""
+    if RunPosition.output_dir is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return
+    path = Path(RunPosition.output_dir) / "logs" / f"traceback_rank{os.environ.get('RANK', '0')}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        return
+    print(f"rank {os.environ.get('RANK', '0')} failed; its traceback is kept in {path}", file=sys.stderr, flush=True)
