@@ -46,7 +46,7 @@ from accelerate.utils import gather_object
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .batchnorm import average_running_stats
-from .errors import RELEASE_AT_END, NothingToDo, UsageError
+from .errors import RELEASE_AT_END, UsageError
 
 TASK_FILE = "task.json"  # in model/: where a Task of the user's own lives (evaluate.py rebuilds the model with it)
 # The flags that shape what a step trains on (the batches' masks, BatchNorm's statistics): a resume with
@@ -213,15 +213,7 @@ def check_resume_and_output(
     if resume_path:
         from .checkpoint_resume import check_resumable  # only a resumed run reads a checkpoint
 
-        state = check_resumable(resume_path, facts)
-        model_dir = Path(args.output_dir) / "model"  # written whole or not at all (export_model)
-        if state["step"] > args.max_steps or (state["step"] == args.max_steps and model_dir.is_dir()):
-            raise NothingToDo(  # a finished run: change nothing
-                f"{resume_path} is already at --max_steps {args.max_steps}: nothing to do "
-                "(raise --max_steps to train further)"
-            )
-        if state["step"] == args.max_steps:  # trained, its export failed (a full disk): the model, from here
-            accelerator.print(f"{model_dir} is missing: writing it from {resume_path} (no step to train)")
+        check_resumable(accelerator, args, resume_path, facts)
     # `auto` without a checkpoint starts over: what an earlier attempt wrote before its first
     # checkpoint is replaced, as with --overwrite_output_dir
     overwrite = args.overwrite_output_dir or (args.resume_from_checkpoint == "auto" and resume_path is None)

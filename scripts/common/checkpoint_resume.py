@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .checkpoint import list_checkpoints
-from .errors import UsageError
+from .errors import NothingToDo, UsageError
 
 STATE_FILE = "trainer_state.json"
 STATE_DIGEST_KEY = "state_sha256"  # in trainer_state.json: the sha256 of the rest of it (state_digest)
@@ -174,14 +174,20 @@ def _as_flag(name: str, value) -> str:
     return f"--{name} {value}"
 
 
-def check_resumable(path: Path, facts: dict) -> dict:
+def check_resumable(accelerator, args, path: Path, facts: dict) -> None:
     """Before anything is written: the checkpoint's small files, every file against its record, and the
-    model, global batch and data flags it was saved with against this run's `facts`. Returns its state."""
+    model, global batch and data flags it was saved with against this run's `facts`; a run already at
+    --max_steps is nothing to do."""
     state = read_checkpoint_state(path)
     check_checkpoint_files(path, state)
     check_compatible(state, path, facts["param_shapes"], facts["global_batch_size"])
     check_same_data_flags(state, path, facts["data_flags"])
-    return state
+    model_dir = Path(args.output_dir) / "model"  # written whole or not at all (export_model)
+    if state["step"] > args.max_steps or (state["step"] == args.max_steps and model_dir.is_dir()):
+        done = f"{path} is already at --max_steps {args.max_steps}: nothing to do"
+        raise NothingToDo(f"{done} (raise --max_steps to train further)")  # a finished run: change nothing
+    if state["step"] == args.max_steps:  # trained, its export failed (a full disk): the model, from here
+        accelerator.print(f"{model_dir} is missing: writing it from {path} (no step to train)")
 
 
 def _unwrap_optimizer(optimizer):
