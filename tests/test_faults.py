@@ -31,7 +31,7 @@ from conftest import (
 )
 
 sys.path.insert(0, str(SCRIPTS))
-from common import checkpoint
+from common import checkpoint, checkpoint_resume
 from common.model import GPT, GPTConfig
 
 STEPS = 10
@@ -159,7 +159,7 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
         if path.name.startswith("step_"):  # a complete checkpoint goes: a newer one must be readable
             newest = checkpoint.list_checkpoints(tmp_path)[-1]
             assert newest != path, f"{path.name} deleted while it is the newest complete checkpoint"
-            checkpoint.read_checkpoint_state(newest)
+            checkpoint_resume.read_checkpoint_state(newest)
             deleted.append(path.name)
         real_rmtree(path, *args, **kwargs)
 
@@ -172,13 +172,13 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
         (checkpoint.Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
         raise KeyboardInterrupt  # what a kill looks like from here: the save stops midway
 
-    real_dcp_save = checkpoint.dcp.save
-    monkeypatch.setattr(checkpoint.dcp, "save", dies_while_writing)
+    real_dcp_save = checkpoint_resume.dcp.save
+    monkeypatch.setattr(checkpoint_resume.dcp, "save", dies_while_writing)
     with pytest.raises(KeyboardInterrupt):
         save(15)
     checkpoints = checkpoint.list_checkpoints(tmp_path)
     assert [p.name for p in checkpoints] == ["step_10"]
-    assert checkpoint.read_checkpoint_state(tmp_path / "checkpoints" / "step_10")["step"] == 10
+    assert checkpoint_resume.read_checkpoint_state(tmp_path / "checkpoints" / "step_10")["step"] == 10
     assert checkpoint.resolve_checkpoint("auto", tmp_path) == tmp_path / "checkpoints" / "step_10"
     _, fresh_model, fresh_optimizer, fresh_scheduler = one_process_run()
     with torch.no_grad():
@@ -186,7 +186,7 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
     loaded = checkpoint.load_checkpoint(accelerator, checkpoints[-1], fresh_model, fresh_optimizer, fresh_scheduler)
     assert loaded["step"] == 10 and torch.equal(fresh_model.lm_head.weight, model.lm_head.weight)
 
-    monkeypatch.setattr(checkpoint.dcp, "save", real_dcp_save)
+    monkeypatch.setattr(checkpoint_resume.dcp, "save", real_dcp_save)
     save(20)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_20"], "the interrupted save's leftovers remain"
     assert deleted == ["step_5", "step_10"]
@@ -222,20 +222,20 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
     this machine (`sleep`) killed, reaped, stopped, running, or gone after marking themselves survivors; and
     peers on other hosts, found only by the address in gloo's message. Only what is known is said: a survivor
     that left first, a running peer, an address that two hosts hold, or one of this host's, names nobody."""
-    from common import faults, peers
+    from common import faults, peer_records, peers
     from common.errors import RunPosition
 
     monkeypatch.setattr(faults.torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(faults.torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(RunPosition, "output_dir", str(tmp_path))
     monkeypatch.setattr(RunPosition, "started", time.time() - 1)
-    me = faults.this_process()
+    me = peer_records.this_process()
     host = socket.gethostname()
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(5)]
     try:
 
         def peer(rank: int, proc=None, **facts) -> dict:
-            started = faults._proc_stat(proc.pid)[19] if proc else None
+            started = peer_records._proc_stat(proc.pid)[19] if proc else None
             return me | {"rank": rank, "pid": proc.pid if proc else 0, "started": started} | facts
 
         killed, reaped, stopped, running, survivor = sleepers
@@ -246,7 +246,7 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
         for rank, name in ((8, "c"), (9, "c"), (10, "d")):  # c: 2 ranks; c and d both hold a docker bridge's
             where = {"pid_space": f"machine {name}", "net_space": f"machine {name}", "host": name}
             table.append(peer(rank, **where, addresses=["10.0.0.3", "172.17.0.1"] if name == "c" else ["172.17.0.1"]))
-        monkeypatch.setattr(faults, "PEERS", table)
+        monkeypatch.setattr(peer_records, "PEERS", table)
 
         def named(address: str = "127.0.0.1") -> str:
             return peers.named_peers(RuntimeError(f"Connection closed by peer [{address}]:4528"))
@@ -258,7 +258,7 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
         reaped.wait(), survivor.wait()
         stopped.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while [faults._proc_stat(p.pid)[0] for p in (killed, stopped)] != ["Z", "T"]:
+        while [peer_records._proc_stat(p.pid)[0] for p in (killed, stopped)] != ["Z", "T"]:
             assert time.monotonic() < deadline, "the signals did not arrive"
             time.sleep(0.01)
         this_host = [

@@ -190,7 +190,8 @@ def test_a_held_lock_refuses_every_rank_of_a_two_process_run(runs, tmp_path, dat
 
 
 def test_sync_batchnorm_is_recorded_and_checked_where_the_model_has_batchnorm(tmp_path):
-    from common.checkpoint import _data_flags, check_same_data_flags
+    from common.checkpoint import _data_flags
+    from common.checkpoint_resume import check_same_data_flags
 
     args = argparse.Namespace(document_mask=False, sync_batchnorm=True)
     with_bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))

@@ -7,7 +7,8 @@ validation samples, against the uncut model on one rank (the same weights, gathe
                               shards) against the copy's on the same samples, in eval mode (no dropout),
                               the RNG untouched. Within tolerance: a start line "cut checked: ...";
                               otherwise one `error:` line naming the strategy, the first module where the
-                              two part, the gap, and the way out. --skip_cut_check skips it, loudly.
+                              two part (common/cut_parting.py), the gap, and the way out. --skip_cut_check
+                              skips it, loudly.
 
 Nothing here knows a family, a mask or a plan: a cut that changes what the model computes (a bias the
 attention replacement drops, a layer that mixes tokens across a sequence cut, a tied weight cut alike on
@@ -192,7 +193,9 @@ def check_cut(accelerator, model, step_fn, reference, task, validation, grad_acc
         if dist.is_initialized():
             dist.all_reduce(parted, op=dist.ReduceOp.MAX)
         if parted.item():  # every rank: one more probe step, each module's output against the uncut one's
-            first = _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum)
+            from .cut_parting import first_parting  # only a cut that parts from the model looks for where
+
+            first = first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum)
             where = f"at {first[0]} (its output off by {first[1]:.2g})" if first else "in the gradients"
             on = f" ({SHRUNKEN[0]})" if SHRUNKEN else ""
             raise UsageError(
@@ -237,63 +240,6 @@ def _cut_step(accelerator, model, step_fn, micro_batches, n_targets, dp_group, d
     model.zero_grad(set_to_none=True)
     loss = accelerator.reduce(step_fn(micro_batches, n_targets).detach().float(), reduction="sum")
     return float(loss / n_targets), whole_gradients(model, dp_group, dp_size)
-
-
-def _first_output(output):
-    """The tensor a module's output leads with (a tuple's first, a 🤗 output's first field)."""
-    while isinstance(output, (tuple, list)) or hasattr(output, "to_tuple"):
-        output = output[0] if len(output) else None
-    if isinstance(output, DTensor):
-        output = output.full_tensor()  # a collective: the TP ranks run the same modules in the same order
-    return output if isinstance(output, torch.Tensor) else None
-
-
-def _plain_name(name: str) -> str:
-    for wrapper in ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
-def _first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum):
-    """(module name, gap) of the first module, in the cut model's order of execution, whose output on
-    this rank's first probe micro-batch differs from the uncut model's on the same samples (CP: at this
-    rank's positions); None if no output it can compare differs."""
-    uncut, cut, hooks = {}, [], []
-
-    def keep(store, name, only_first):
-        def hook(module, args, output):
-            if isinstance(store, dict) and name not in store:
-                out = _first_output(output)
-                store[name] = None if out is None else out.detach().float().cpu()
-            elif isinstance(store, list) and (not only_first or name not in {n for n, _ in store}):
-                out = _first_output(output)
-                store.append((name, None if out is None else out.detach().float().cpu()))
-
-        return hook
-
-    try:
-        hooks = [m.register_forward_hook(keep(uncut, n, True)) for n, m in reference.named_modules() if n]
-        with torch.no_grad():
-            task.loss_of(reference, all_mbs[dp_rank * grad_accum])
-        for h in hooks:
-            h.remove()
-        hooks = [m.register_forward_hook(keep(cut, _plain_name(n), True)) for n, m in model.named_modules() if n]
-        step_fn(mine, n_targets)  # the lesson's own step: its collectives run on every rank
-    finally:
-        for h in hooks:
-            h.remove()
-    positions, seen = getattr(step_fn, "token_positions", None), set()
-    for name, out in cut:
-        if name in seen or out is None or uncut.get(name) is None:
-            continue
-        seen.add(name)
-        ref = uncut[name]
-        cut_sequence = positions is not None and ref.dim() >= 2 and out.dim() == ref.dim()
-        if cut_sequence and out.shape[1] == len(positions) and ref.shape[1] > int(positions.max()):
-            ref = ref[:, positions.cpu()]  # CP: this rank's tokens of the whole sequence
-        if out.shape == ref.shape and _gap(out, ref)[1] > RTOL["no"]:
-            return name, _gap(out, ref)[0]
-    return None
 
 
 def _cpu_autocast(precision: str):

@@ -1,30 +1,27 @@
 """How a run that fails says so: the one line for a collective that failed because a peer froze or
-died (gloo's and DCP's messages read here), naming that peer where it can be known (PEERS), the one
-line for a process group that could not connect because gloo listens on an interface the other nodes
-cannot reach, the line written for the launcher's failure table (TORCHELASTIC_ERROR_FILE), and the
-grace a rank gives rank 0 to report a bad-input error. A training run imports it at set-up (who its
-peers are: launch.make_accelerator; the deadline on connecting its process group:
-launch.init_restart_safe_group) and when it fails (launch.run_main)."""
+died (gloo's and DCP's messages read here), naming that peer where it can be known (common/peers.py,
+from the records of common/peer_records.py), the one line for a process group that could not connect
+because gloo listens on an interface the other nodes cannot reach, the line written for the
+launcher's failure table (TORCHELASTIC_ERROR_FILE), the traceback a rank that crashed keeps, and the
+grace a rank gives rank 0 to report a bad-input error. A training run imports it only when it fails
+(launch.run_main; launch.connect_deadline, when its process group cannot connect in time)."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import signal
 import socket
-import struct
 import sys
-import threading
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from .errors import RunPosition
+from .peer_records import interface_addresses
 
 # How long a rank other than 0 waits, after a bad-input error, for rank 0 to report it.
 USAGE_ERROR_GRACE_S = 20.0
@@ -84,80 +81,17 @@ def _named_peers(error: BaseException) -> str:
 
 
 def _kept_tracebacks() -> str:
-    """ " The peer that crashed kept its traceback in: ..." where one did (run_main's keep_traceback)."""
-    from pathlib import Path
-
+    """ " The peer that crashed kept its traceback in: ..." where one did (keep_traceback)."""
     logs = Path(RunPosition.output_dir) / "logs" if RunPosition.output_dir else None
     kept = sorted(logs.glob("traceback_rank*.txt")) if logs and logs.is_dir() else []
     kept = [path for path in kept if path.stat().st_mtime >= RunPosition.started - 60]  # this run's (clocks differ)
     return f" The peer that crashed kept its traceback in: {', '.join(map(str, kept))}." if kept else ""
 
 
-# ----------------------------------------------------------------------------- which peer
-# Every rank's record (rank, host, pid, ...), gathered once at set-up by record_peers: a rank that loses a
-# peer names it from these and from /proc, with no collective (they are broken by then) and no network.
-PEERS: list[dict] = []
-
-
-def _namespace(kind: str) -> str | None:
-    """The machine (its boot id) and this process's `kind` namespace ("pid", "net"): a pid, or an address,
-    means the same process, or host, only to processes that share it. None off Linux."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{os.stat(f'/proc/self/ns/{kind}').st_ino}"
-    except OSError:
-        return None
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat's fields from the third (the state) on; None where no such process is left."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2 :].split()
-
-
-def this_process() -> dict:
-    """This rank's record: who it is and where, as its peers will look for it."""
-    stat = _proc_stat(os.getpid())
-    return {
-        "rank": torch.distributed.get_rank(),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": stat[19] if stat else None,  # clock ticks after boot: a pid taken again later differs
-        "pid_space": _namespace("pid"),
-        "net_space": _namespace("net"),
-        "addresses": sorted(a for a in interface_addresses().values() if not a.startswith("127.")),
-    }
-
-
-def record_peers() -> None:
-    """Every rank learns every rank's record: one small all_gather at set-up, nothing per step."""
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, this_process())
-        PEERS[:] = gathered
-
-
 def _gloo_detail(error: BaseException) -> str:
     """gloo's own words, without its source locations ("[.../unbound_buffer.cc:78] Timed out ...")."""
     first = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0] if str(error).strip() else "")
     return re.sub(r"\[[^\]]*\.(cc|h|cpp):\d+\]\s*", "", first).strip()[:160] or type(error).__name__
-
-
-# ----------------------------------------------------------------------------- interfaces
-def interface_addresses() -> dict[str, str]:
-    """Each network interface's IPv4 address (Linux; interfaces without one are left out)."""
-    found = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                request = struct.pack("256s", name[:15].encode())
-                found[name] = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
-            except OSError:
-                pass
-    return found
 
 
 def interface_of(address: str | None) -> str | None:
@@ -219,27 +153,6 @@ def unreachable_peers_line(detail: str) -> str:
     )
 
 
-@contextmanager
-def connect_deadline(seconds: float):
-    """init_process_group within `seconds`, or one line and exit 1. gloo raises by itself on the rank that
-    cannot connect out, but the rank waiting for that connection can wait far longer than its timeout
-    (100 s for a timeout of 20, torch 2.13): a timer makes every rank give up in time."""
-
-    def give_up():
-        line = unreachable_peers_line(f"not connected after {seconds:g} s")
-        print(line, file=sys.stderr, flush=True)
-        report_to_launcher(line)
-        os._exit(1)  # the main thread is inside gloo's connect: nothing else can end it
-
-    timer = threading.Timer(seconds, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
-
 def collective_waited_for(error: BaseException) -> str:
     """Which collective the process was waiting in, and where in our code, from the traceback: the
     innermost torch.distributed call; else backward (DDP's gradient all-reduce runs in C++ hooks);
@@ -275,3 +188,17 @@ def report_to_launcher(message: str) -> None:
                 json.dump({"message": message, "timestamp": int(time.time())}, f)
         except OSError:
             pass
+
+
+def keep_traceback(error: BaseException) -> None:
+    """An unexpected exception on a rank: its traceback in OUTPUT_DIR/logs/traceback_rank<r>.txt, said on
+    stderr (the peers that lose this rank print one line each, and name the file)."""
+    if RunPosition.output_dir is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return
+    path = Path(RunPosition.output_dir) / "logs" / f"traceback_rank{os.environ.get('RANK', '0')}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        return
+    print(f"rank {os.environ.get('RANK', '0')} failed; its traceback is kept in {path}", file=sys.stderr, flush=True)

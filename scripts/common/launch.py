@@ -6,14 +6,16 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 from accelerate.utils import get_int_from_env
 
 from .errors import RELEASE_AT_END, NothingToDo, RunPosition, UsageError, off_the_bar
+from .peer_records import record_peers
 
 # Where launchers put how many processes they started (torchrun WORLD_SIZE, mpirun PMI_SIZE ...):
 # get_int_from_env(WORLD_SIZE_VARS, 1), Accelerate's own reading of them.
@@ -41,7 +43,7 @@ def run_main(main) -> None:
         end_process_groups()
         sys.exit(0)
     except BaseException as e:  # CheckpointException (a peer lost during a save) is a BaseException
-        from .faults import lost_peer_line, report_to_launcher
+        from .faults import keep_traceback, lost_peer_line, report_to_launcher  # a failing run's lines
 
         line = lost_peer_line(e)
         if line is None:
@@ -53,22 +55,6 @@ def run_main(main) -> None:
         sys.stdout.flush()
         os._exit(1)  # tearing the process group down could wait for the lost peer
     end_process_groups()
-
-
-def keep_traceback(error: BaseException) -> None:
-    """An unexpected exception on a rank: its traceback in OUTPUT_DIR/logs/traceback_rank<r>.txt, said on
-    stderr (the peers that lose this rank print one line each, and name the file)."""
-    if RunPosition.output_dir is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
-        return
-    import traceback
-
-    path = Path(RunPosition.output_dir) / "logs" / f"traceback_rank{os.environ.get('RANK', '0')}.txt"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(traceback.format_exception(error)))
-    except OSError:
-        return
-    print(f"rank {os.environ.get('RANK', '0')} failed; its traceback is kept in {path}", file=sys.stderr, flush=True)
 
 
 def end_process_groups() -> None:
@@ -124,9 +110,7 @@ def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **acc
             f"{accelerator.num_processes}): launch with accelerate launch --config_file "
             "accelerate_configs/cpu_multi.yaml"
         )
-    from .faults import record_peers  # who is who: a rank that loses a peer names it (faults.lost_peer_line)
-
-    record_peers()
+    record_peers()  # who is who: a rank that loses a peer names it (faults.lost_peer_line)
     if sharded:  # the script applies its strategy itself, on a device mesh (common/sharded.py)
         from .sharded import check_sharded_launch, init_one_process_group
 
@@ -147,9 +131,30 @@ def init_restart_safe_group(use_cpu: bool, timeout: timedelta) -> None:
     )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = torch.distributed.PrefixStore(f"attempt_{attempt}_of_{world_size}", store)
-    from .faults import connect_deadline  # gloo's connect can outwait its timeout: one line instead
-
     with connect_deadline(timeout.total_seconds()):
         torch.distributed.init_process_group(
             "gloo" if use_cpu else "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+
+
+@contextmanager
+def connect_deadline(seconds: float):
+    """init_process_group within `seconds`, or one line and exit 1. gloo raises by itself on the rank that
+    cannot connect out, but the rank waiting for that connection can wait far longer than its timeout
+    (100 s for a timeout of 20, torch 2.13): a timer makes every rank give up in time."""
+
+    def give_up():
+        from .faults import report_to_launcher, unreachable_peers_line  # only a group that cannot connect
+
+        line = unreachable_peers_line(f"not connected after {seconds:g} s")
+        print(line, file=sys.stderr, flush=True)
+        report_to_launcher(line)
+        os._exit(1)  # the main thread is inside gloo's connect: nothing else can end it
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_extra_state, record_task
+from .checkpoint import record_task
 from .errors import UsageError
 
 
@@ -76,6 +76,8 @@ class ReplicaSyncState:
         another number of replicas (an elastic restart on fewer, or more), every replica from the
         last fusion."""
         if resume_path:
+            from .checkpoint_resume import load_extra_state  # only a resumed run reads a checkpoint
+
             self.load_state_dict(load_extra_state(resume_path), resume_path)
             if progress["world_size"] != self.dp_size:
                 accelerator.print(self.continue_from_fusion(progress["step"], progress["world_size"], resume_path))

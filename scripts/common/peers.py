@@ -1,5 +1,5 @@
 """Which peer a rank lost (faults.lost_peer_line's sentence), from the records every rank gathered at
-set-up (faults.PEERS) and /proc: with no collective (they are broken by then) and no network. Imported
+set-up (peer_records.PEERS) and /proc: with no collective (they are broken by then) and no network. Imported
 only by a run that lost a peer, and by evaluate.py (line_on_sigterm)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import faults
+from . import faults, peer_records
 from .errors import RunPosition, off_the_bar
 
 SURVIVOR_MARK = "survivor_rank{rank}.pid"  # in OUTPUT_DIR/logs: a rank that saw a lost peer, not a lost one
@@ -21,7 +21,7 @@ SURVIVOR_MARK = "survivor_rank{rank}.pid"  # in OUTPUT_DIR/logs: a rank that saw
 def _mark_survivor() -> Path | None:
     """OUTPUT_DIR/logs/survivor_rank<r>.pid, before this rank looks at its peers (and long before it
     exits): a peer that finds this rank's process gone then knows it left as a survivor."""
-    if not faults.PEERS or not RunPosition.output_dir:
+    if not peer_records.PEERS or not RunPosition.output_dir:
         return None
     logs = Path(RunPosition.output_dir) / "logs"
     try:
@@ -44,7 +44,7 @@ def _left_as_survivor(logs: Path, peer: dict) -> bool:
 def _state_of(peer: dict) -> tuple[str, str] | None:
     """What /proc says of a peer's process: ("gone", how, where it is not reaped yet), ("stopped", ""), or None
     (running or waiting: it may be a survivor still writing its own line)."""
-    stat = faults._proc_stat(peer["pid"])
+    stat = peer_records._proc_stat(peer["pid"])
     if stat is None or (peer["started"] is not None and stat[19] != peer["started"]):
         return "gone", ""  # reaped by the launcher already, or its pid since taken by another process
     if stat[0] in "ZX":  # ended, not reaped yet: its exit status is still there
@@ -62,19 +62,19 @@ def named_peers(error: BaseException) -> str:
     held by the ranks of one other host only. Never a guess: "" where nothing is known. A survivor that left
     first is told apart by its mark (_mark_survivor), so it is not named."""
     try:
-        return _peer_sentences(error) if faults.PEERS and torch.distributed.is_initialized() else ""
+        return _peer_sentences(error) if peer_records.PEERS and torch.distributed.is_initialized() else ""
     except Exception:  # an error path: the line must come out whatever /proc or the disk says
         return ""
 
 
 def _peer_sentences(error: BaseException) -> str:
     rank = torch.distributed.get_rank()
-    me = faults.PEERS[rank]
-    beside = me["pid_space"] is not None and any(p["pid_space"] == me["pid_space"] for p in faults.PEERS if p is not me)
+    every, me = peer_records.PEERS, peer_records.PEERS[rank]
+    beside = me["pid_space"] is not None and any(p["pid_space"] == me["pid_space"] for p in every if p is not me)
     logs = _mark_survivor() if beside else None  # only the ranks of this machine look for the mark
     found: dict[str, list[str]] = {"gone": [], "stopped": []}
     named = set()
-    for peer in faults.PEERS:
+    for peer in every:
         if peer is me or not beside or peer["pid_space"] != me["pid_space"]:
             continue
         state = _state_of(peer)  # read before the mark: a survivor marks itself before it exits
@@ -96,7 +96,7 @@ def _peer_sentences(error: BaseException) -> str:
         sentences.append(f" {listed} stopped (SIGSTOP or a debugger).")
     address = re.search(r"\[(\d+\.\d+\.\d+\.\d+|[0-9a-fA-F:]*:[0-9a-fA-F:]*)\]:\d+", str(error))
     if address and not address[1].startswith("127.") and address[1] != "::1":
-        holders = [p for p in faults.PEERS if address[1] in p["addresses"]]
+        holders = [p for p in every if address[1] in p["addresses"]]
         hosts = {p["net_space"] for p in holders}
         if len(hosts) == 1 and None not in hosts and me not in holders and not named & {p["rank"] for p in holders}:
             ranks = [str(p["rank"]) for p in holders]
