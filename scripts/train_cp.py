@@ -62,21 +62,20 @@ from common.attention_kernels import (
     block_attention_backward,
     whole_sequence_attention,
 )
-from common.causal_lm import documents_of
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
 from common.cp_checks import check_cp, check_cp_size, check_ulysses_heads
 from common.cp_costs import (
     attention_shapes,
-    block_in_window,
-    causal_blocks,
+    blocks_per_rank,
     cp_chunks,
     cp_start_line,
     cp_traffic,
     reset_traffic,
     ring_steps,
 )
+from common.cp_masks import loss_positions, rank_positions, step_blocks
 from common.cut_check import check_cut, uncut_copy
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
@@ -130,38 +129,26 @@ class Ring:
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the keys/values of the whole ring, within
-    `window` tokens (None: the whole past), with a learned sink logit per head (`sinks`, gpt-oss)
-    and soft-capped scores; with `documents` ((batch, tokens): the whole sequences' ids,
-    --document_mask) within each query's document.
-
-    Forward: step s attends to the K/V block of rank (r - s) while the next block travels; each
-    block is one fused kernel call (block_attention) returning its output and log-sum-exp, and the
-    partial outputs merge through the log-sum-exp (flash attention's online softmax); a sink joins
-    the merge as one more logit with a zero value. Backward: the K/V go round again; each block is
-    the kernel's backward with the merged output and log-sum-exp of its rows; dK/dV of each block
-    accumulate on every rank it visits and reach their owner after cp passes (or, when a window ends
-    the ring early, straight from the last rank); each pass overlaps the next block's compute."""
+    """Causal attention of this rank's queries over the K/V of the whole ring, with the model's
+    masks (`window` tokens, a learned `sinks` logit per head, `softcap`, `documents` ids). Forward:
+    step s attends to rank (r - s)'s block while the next one travels; the blocks' outputs merge
+    through their log-sum-exp; a sink is one more logit, value 0. Backward: the K/V go round again;
+    each block's dK/dV travel with it and reach their owner (or, when a window ends the ring early,
+    go straight to it from the last rank)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, window=None, sinks=None, softcap=None, documents=None):
         B, H, T, D = q.shape
-        scale = D**-0.5
-        mine = ring.chunks_of[ring.rank]
-        c = T // len(mine)
+        scale, c = D**-0.5, T // len(ring.chunks_of[ring.rank])  # c: tokens per chunk
         steps = ring_steps(ring.chunks_of, c, window)  # CP: a window may end the ring early
         out = torch.zeros_like(q, dtype=torch.float32)  # merged in fp32, in the layout of q
         lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        kv, computed = torch.stack([k, v]).contiguous(), 0
         for step in range(steps):
-            theirs = ring.chunks_of[(ring.rank - step) % ring.size]
             # CP: the next block travels while this one computes
             pending = ring.start_pass(kv, 0, "forward") if step < steps - 1 else None
-            blocks = masked_blocks(mine, theirs, c, window)  # CP: what the masks leave to compute
-            blocks = document_blocks(blocks, mine, theirs, c, documents)
-            for i, j, rows, cols, causal, keep in blocks:
-                rows = slice(i * c + rows.start, i * c + rows.stop)  # among this rank's tokens
-                cols = slice(j * c + cols.start, (j + 1) * c)
+            blocks = step_blocks(ring.chunks_of, ring.rank, step, c, window, documents)  # CP: masks
+            for rows, cols, causal, keep in blocks:
                 q_i, k_j, v_j = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
                 block_out, block_lse = block_attention(q_i, k_j, v_j, causal, scale, keep, softcap)
                 new_lse = torch.logaddexp(lse[:, :, rows], block_lse)  # CP: merge by log-sum-exp
@@ -171,13 +158,11 @@ class RingAttention(torch.autograd.Function):
                     + block_out * torch.exp(block_lse - seen)[..., None]
                 )
                 lse[:, :, rows] = new_lse
-            ring.blocks_computed += len(blocks)
-            ring.blocks_skipped += len(causal_blocks(mine, theirs)) - len(blocks)  # the window's
+            computed += len(blocks)
             if pending is not None:
                 kv = Ring.finish(pending)
-        for step in range(steps, ring.size):  # the steps a window ended: their blocks skipped too
-            theirs = ring.chunks_of[(ring.rank - step) % ring.size]
-            ring.blocks_skipped += len(causal_blocks(mine, theirs))
+        ring.blocks_computed += computed  # the causal ring's other blocks: skipped by the masks
+        ring.blocks_skipped += blocks_per_rank(ring.chunks_of)[ring.rank] - computed
         if sinks is not None:  # CP: the sink, one more logit of each row, value 0: weights shrink
             new_lse = torch.logaddexp(lse, sinks.float().view(1, H, 1))
             out, lse = out * torch.exp(lse - new_lse)[..., None], new_lse
@@ -191,24 +176,16 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks, documents = ctx.saved_tensors
         ring, window, softcap = ctx.ring, ctx.window, ctx.softcap
         T, D = q.shape[2], q.shape[3]
-        scale = D**-0.5
-        mine = ring.chunks_of[ring.rank]
-        c = T // len(mine)
+        scale, c = D**-0.5, T // len(ring.chunks_of[ring.rank])
         steps = ring_steps(ring.chunks_of, c, window)
-        dout = dout.contiguous()
-        dq = torch.zeros_like(q)
-        kv = torch.stack([k, v]).contiguous()
-        dkv_pending = None
+        dout, dq = dout.contiguous(), torch.zeros_like(q)
+        kv, dkv_pending = torch.stack([k, v]).contiguous(), None
         for step in range(steps):
-            theirs = ring.chunks_of[(ring.rank - step) % ring.size]
             # CP: the K/V go round again
             pending = ring.start_pass(kv, 0, "backward") if step < steps - 1 else None
             dkv = torch.zeros_like(kv)  # this rank's share of the visiting block's dK, dV
-            blocks = masked_blocks(mine, theirs, c, window)
-            blocks = document_blocks(blocks, mine, theirs, c, documents)
-            for i, j, rows, cols, causal, keep in blocks:
-                rows = slice(i * c + rows.start, i * c + rows.stop)
-                cols = slice(j * c + cols.start, (j + 1) * c)
+            blocks = step_blocks(ring.chunks_of, ring.rank, step, c, window, documents)
+            for rows, cols, causal, keep in blocks:
                 q_i, k_j, v_j = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
                 # merged: the whole rows
                 out_i, lse_i = out[:, :, rows], lse[:, :, rows].contiguous()
@@ -281,12 +258,8 @@ def cp_loss(task, layout: Layout, device, impl: str = "ring", windows=None):
     @contextmanager
     def ring_loss(model, mb):
         ids, targets = task.inputs(mb)[0][:, positions], task.next_token_targets(mb)[:, positions]
-        if "position_ids" not in mb:
-            yield task.loss_at(model, ids, targets, positions)[0]
-            return
-        # CP: --document_mask: positions in each document, and the documents of whole sequences
-        documents = documents_of(mb["position_ids"])
-        yield task.loss_at(model, ids, targets, mb["position_ids"][:, positions], documents)[0]
+        # CP: at their positions (--document_mask: in each document, and the documents)
+        yield task.loss_at(model, ids, targets, *loss_positions(mb, positions))[0]
 
     ring_loss.positions = positions  # the cut check compares outputs at these positions
     return ring_loss
@@ -331,59 +304,6 @@ def plain_attention(task, model, attention):
         yield
     finally:
         task.set_attention(model, attention)
-
-
-# ---------------------------------------- CP: the tokens a rank holds, the masks a block can carry
-def rank_positions(seq_len: int, chunks: list[int], n_chunks: int, device=None) -> torch.Tensor:
-    """The real positions, in the sequence, of a rank's tokens: its chunks, in order."""
-    size = seq_len // n_chunks
-    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in chunks])
-
-
-def masked_blocks(q_chunks: list[int], kv_chunks: list[int], c: int, window: int | None) -> list:
-    """The blocks of `q_chunks` x `kv_chunks` (chunks of c tokens) a causal mask within `window`
-    tokens (None: the whole past) leaves something in: (index of the q chunk, of the kv chunk, rows,
-    cols, causal, keep): `rows`/`cols` slice the block, `causal` is a whole diagonal block, `keep` a
-    bool mask of (rows, cols) or None."""
-    blocks = []
-    for i, qc in enumerate(q_chunks):
-        for j, kc in enumerate(kv_chunks):
-            if not block_in_window(qc, kc, c, window):
-                continue  # after the query chunk, or wholly outside the window
-            d = (qc - kc) * c  # row 0's offset from col 0: row a sees col b at offset d + a - b
-            if window is None or d + c - 1 < window:
-                blocks.append((i, j, slice(0, c), slice(0, c), d == 0, None))
-                continue
-            rows = torch.arange(min(c, window + c - 1 - d))[:, None]  # the rows that see some key
-            cols = torch.arange(max(0, d - window + 1), c)  # the keys some row sees
-            offset = d + rows - cols[None]
-            keep = (offset >= 0) & (offset < window)
-            blocks.append((i, j, slice(0, rows.shape[0]), slice(int(cols[0]), c), False, keep))
-    return blocks
-
-
-def document_blocks(blocks: list, q_chunks: list[int], kv_chunks: list[int], c: int, documents):
-    """masked_blocks' blocks with the document mask (--document_mask) on top: a query sees only keys
-    of its own document. `documents`: (batch, tokens) ids of the whole sequences. A block no
-    sequence keeps anything of is dropped (not computed); one kept whole stays unmasked; the others
-    carry a (batch, 1, rows, cols) mask."""
-    if documents is None:
-        return blocks
-    kept = []
-    for i, j, rows, cols, causal, keep in blocks:
-        q0, k0 = q_chunks[i] * c, kv_chunks[j] * c  # the chunks' first positions in the sequence
-        q_docs = documents[:, q0 + rows.start : q0 + rows.stop, None]
-        same = (q_docs == documents[:, None, k0 + cols.start : k0 + cols.stop])[:, None]
-        if causal:
-            keep = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
-        mask = same if keep is None else same & keep.to(same.device)
-        if not mask.any():
-            continue  # CP: every query of the block is in another document than every key
-        if keep is None and mask.all():
-            kept.append((i, j, rows, cols, causal, None))
-        else:
-            kept.append((i, j, rows, cols, False, mask))
-    return kept
 
 
 # ---------------------------------------- CP: Ulysses, the other way to cut the sequence
