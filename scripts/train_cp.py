@@ -2,10 +2,10 @@
 """Context parallelism (CP) with 🤗 Accelerate: ring attention, or Ulysses' all-to-alls, over a
 sequence cut into pieces.
 
-Long sequences run out of activation memory before they run out of weights: every layer keeps
-activations of size batch x tokens x width. CP cuts every sequence over `cp` ranks; each rank runs
-the whole model on its own tokens. Only attention needs the other tokens: their keys and values
-travel around a ring of the CP ranks, one block per step, while a rank computes on the one it has.
+Long sequences run out of activation memory before they run out of weights. CP cuts every
+sequence over `cp` ranks; each rank runs the whole model on its own tokens. Only attention needs
+the others: their keys and values travel around a ring of the CP ranks, one block per step, while a
+rank computes on the one it has.
 
     ring of cp = 4 (forward, one layer): step s, rank r holds the K/V of rank r - s
         rank 0 --K/V--> rank 1 --K/V--> rank 2 --K/V--> rank 3 --K/V--> (rank 0)
@@ -16,16 +16,10 @@ travel around a ring of the CP ranks, one block per step, while a rank computes 
         chunk:   0  1  2  3  4  5  6  7
         rank:    0  1  2  3  3  2  1  0     rank r holds chunks r and 2cp-1-r: the same work each
 
-    --cp_impl ulysses (DeepSpeed-Ulysses; its section follows the ring's): rank r holds chunk r of
-    cp; in every layer an all-to-all turns q, k, v (batch, heads, tokens/cp, d) into (batch,
-    heads/cp, tokens, d): whole sequences, cp-th of the heads; fused causal SDPA; an all-to-all
-    brings the output back. 4 all-to-alls forward, 4 backward, each b x s/cp x d per rank, (cp-1)/cp
-    of it sent: half the ring's bytes at cp 2, 3/10 at cp 4, but not hidden behind compute, and the
-    heads must divide by cp.
-
-    masks (both): each layer's sliding window (a block whole, cropped with a mask, or skipped;
-    steps no rank needs are not sent), learned sinks (one more logit of the log-sum-exp),
-    soft-capped scores
+    --cp_impl ulysses (DeepSpeed-Ulysses, the section after the ring's): rank r holds chunk r of
+    cp; an all-to-all turns q, k, v (batch, heads, tokens/cp, d) into (batch, heads/cp, tokens, d),
+    fused causal SDPA, an all-to-all back: fewer bytes than the ring, none hidden behind compute,
+    and the heads must divide by cp. Both honour each layer's sliding window, sinks, soft-capping.
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_cp.py \\
@@ -33,18 +27,13 @@ Run it:
     accelerate launch ... --num_processes 4 scripts/train_cp.py --cp_size 2   # dp 2 x cp 2
     accelerate launch ... scripts/train_cp.py --cp_impl ulysses               # all-to-all, no ring
     python scripts/train_cp.py                     # one process: nothing to cut, no ring installed
-Gradients reduce over dp x cp (CP ranks hold the same weights): FSDP shards over the flattened
-dp_shard x cp mesh, as torchtitan's dp_shard_cp. Data parallel beside CP shards the data by the dp
-coordinate only: every rank of a CP group reads the same samples. Lines marked `# CP:` are the
-strategy; `# Accelerate:` the library's part. Any model whose Task implements Task.set_attention and
-Task.forward_at trains under CP: the built-in GPT, the 🤗 families (through transformers'
-AttentionInterface), a model of your own (docs/your-model.md). Below the lesson: the kernel of one
-block (common/attention_kernels.py), the bytes and start line (common/cp_costs.py), the refusals
-(common/cp_checks.py).
+FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp): CP ranks hold the same weights, and read
+the same samples. Lines marked `# CP:` are the strategy; `# Accelerate:` the library's part. Any
+model whose Task implements set_attention and forward_at trains under CP (docs/your-model.md).
 """
 
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -75,7 +64,13 @@ from common.cp_costs import (
     reset_traffic,
     ring_steps,
 )
-from common.cp_masks import loss_positions, rank_positions, step_blocks
+from common.cp_masks import (
+    loss_positions,
+    plain_attention,
+    rank_positions,
+    step_blocks,
+    whole_sequence_predict,
+)
 from common.cut_check import check_cut, uncut_copy
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
@@ -104,8 +99,7 @@ class Ring:
         return dist.get_global_rank(self.group, (self.rank + hops) % self.size)
 
     def start_pass(self, send: torch.Tensor, tag: int, phase: str, hops: int = 1):
-        """Post: send `send` `hops` ranks on (the next one), receive the same shape from as far
-        back."""
+        """Post: send `send` `hops` ranks on, receive the same shape from as far back."""
         recv = torch.empty_like(send)
         ops = [
             dist.P2POp(dist.isend, send, self.peer(hops), self.group, tag),  # CP: both at once
@@ -224,10 +218,8 @@ def ring_attention(ring: Ring):
 
 
 def apply_context_parallel(model, task, layout: Layout, impl: str = "ring", windows=None):
-    """Every attention layer of the model becomes the ring (head-tail chunks) or Ulysses'
-    all-to-alls (chunk r of cp) over this rank's CP group; returns the attention function installed.
-    `windows`: the layers' sliding windows (attention_shapes), which may choose other chunks
-    (cp_chunks)."""
+    """Every attention layer becomes the ring or Ulysses' all-to-alls over this rank's CP group;
+    returns the attention installed. `windows` (the layers') may choose the chunks (cp_chunks)."""
     chunks_of = cp_chunks(layout.cp, impl, windows, task.tokens_per_sample)
     if impl == "ulysses":
         attention = ulysses_attention(Ulysses(layout.group("cp"), chunks_of))
@@ -238,11 +230,8 @@ def apply_context_parallel(model, task, layout: Layout, impl: str = "ring", wind
 
 
 def cp_loss(task, layout: Layout, device, impl: str = "ring", windows=None):
-    """The loss of this rank's tokens of a micro-batch, `with loss(model, micro_batch) as
-    loss_sum:`, a context its backward runs in (PyTorch's context_parallel must see both). Chosen
-    once, for cp_forward_backward: without CP the whole sequence; under the ring this rank's chunks
-    (r and 2cp-1-r), under Ulysses chunk r of cp (cp_chunks: `windows` as apply_context_parallel's),
-    at their positions."""
+    """`with loss_of(model, mb) as loss_sum:` the loss of this rank's tokens (cp_chunks) at their
+    positions, a context its backward runs in; without CP the whole sequence's."""
     if layout.cp == 1:
 
         @contextmanager
@@ -268,11 +257,9 @@ def cp_loss(task, layout: Layout, device, impl: str = "ring", windows=None):
 def cp_forward_backward(
     accelerator, model, micro_batches: list, n_global_targets, loss_of, grad_scale: int
 ) -> torch.Tensor:
-    """Forward and backward of this rank's slice of every sequence; returns its loss sum (its own
-    tokens). `loss_of` (cp_loss's) gives the loss of this rank's tokens. The loss is divided by the
-    global batch's target count; FSDP averages gradients over the dp x cp ranks, so it is scaled
-    back by their number (`grad_scale`): the gradient is that of (global loss sum / global targets).
-    FSDP reduce-scatters every micro-batch's gradients, as in train_fsdp.py."""
+    """Forward and backward of this rank's tokens of every sequence; returns their loss sum. FSDP
+    averages gradients over the dp x cp ranks: `grad_scale` (their number) scales back, so the
+    gradient is that of (global loss sum / global targets)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         with accelerator.autocast():  # Accelerate: autocast
@@ -282,36 +269,10 @@ def cp_forward_backward(
     return step_loss_sum
 
 
-def whole_sequence_predict(model, task, attention, layout: Layout):
-    """evaluate()'s `predict`: evaluation reads whole sequences (no gradients, little memory) with
-    causal SDPA on every rank (FSDP needs them all in each forward); CP rank 0 returns the outputs,
-    so each sample counts once."""
-
-    def predict(*inputs):
-        with plain_attention(task, model, attention) if attention else nullcontext():
-            outputs = model(*inputs)
-        return outputs if layout.cp_rank == 0 else None
-
-    return predict
-
-
-@contextmanager
-def plain_attention(task, model, attention):
-    """Whole sequences on every rank (evaluation, the loss check): causal SDPA, then the ring
-    again."""
-    task.set_attention(model, None)
-    try:
-        yield
-    finally:
-        task.set_attention(model, attention)
-
-
 # ---------------------------------------- CP: Ulysses, the other way to cut the sequence
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single over the CP group: dim 0 of `x` is cut into cp pieces, piece j goes to rank
-    j, and piece j of the result came from rank j. Its backward is the same exchange of the gradient
-    (what came from rank j goes back to it). Gloo has all_to_all_single; the functional collective
-    (what the run's collective counter sees) is waited for here."""
+    """all_to_all_single over the CP group: piece j of dim 0 goes to rank j, piece j of the result
+    came from rank j; backward exchanges the gradient the same way."""
 
     @staticmethod
     def forward(ctx, x, ulysses):
@@ -324,8 +285,8 @@ class AllToAll(torch.autograd.Function):
 
 
 class Ulysses:
-    """The all-to-alls of one CP group: which chunks of a sequence each rank holds, what was sent
-    (the buffers each rank hands to all_to_all_single; (cp-1)/cp of each leaves the rank)."""
+    """The all-to-alls of one CP group: which chunks each rank holds, what was sent (the buffers
+    handed to all_to_all_single; (cp-1)/cp of each leaves the rank)."""
 
     def __init__(self, group, chunks_of: list[list[int]]):
         self.group, self.chunks_of = group, chunks_of
@@ -344,8 +305,7 @@ class Ulysses:
         return funcol.wait_tensor(exchanged)
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, heads, tokens/cp, d), this rank's tokens -> (batch, heads/cp, tokens, d), whole
-        sequences."""
+        """(batch, heads, tokens/cp, d) -> (batch, heads/cp, tokens, d): whole sequences."""
         B, H, T, D = x.shape
         n = len(self.chunks_of[self.rank])  # chunks per rank
         # piece j: the heads for rank j; back (CP): (B, H/cp, rank, T, D), rank j's tokens
@@ -357,8 +317,7 @@ class Ulysses:
         return x.reshape(B, H // self.size, self.size * T, D)
 
     def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, heads/cp, tokens, d) -> (batch, heads, tokens/cp, d): this rank's tokens, every
-        head."""
+        """(batch, heads/cp, tokens, d) -> (batch, heads, tokens/cp, d): this rank's tokens."""
         B, h, S, D = x.shape
         n = len(self.chunks_of[self.rank])
         x = x.reshape(B, h, self.size * n, S // (self.size * n), D)
@@ -371,10 +330,8 @@ class Ulysses:
 
 
 def ulysses_attention(ulysses: Ulysses):
-    """The attention function the model calls in place of causal SDPA (Task.set_attention): q, k, v
-    to head shards of whole sequences, the fused kernel (a window as its mask), the output back to
-    this rank's tokens. Sinks and soft-capped scores, which no fused kernel takes, are plain
-    matmuls."""
+    """The attention the model calls in place of causal SDPA (Task.set_attention): q, k, v to head
+    shards of whole sequences, attention with the layer's masks, the output back to this rank's."""
 
     def attention(q, k, v, dropout_p=0.0, window=None, sinks=None, softcap=None, documents=None):
         q, k, v = (ulysses.seq_to_heads(t) for t in (q, k, v))  # CP: 3 all-to-alls, to heads/cp

@@ -1,7 +1,10 @@
 """Context parallelism's tokens and masks (train_cp.py, train_hybrid.py --cp_size): the positions of
-a rank's tokens in the sequence, and the blocks of a ring step that the causal mask, a sliding
-window and the document mask (--document_mask) leave something in, each with the mask it carries.
-The ring's loop, its merge and its transfers stay in the lesson."""
+a rank's tokens in the sequence, the blocks of a ring step that the causal mask, a sliding window
+and the document mask (--document_mask) leave something in, each with the mask it carries, and the
+model's own attention back for whole sequences (evaluation, the contract's check). The ring's loop,
+its merge and its transfers stay in the lesson."""
+
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -82,3 +85,28 @@ def step_blocks(chunks_of: list[list[int]], rank: int, step: int, c: int, window
         cols = slice(j * c + cols.start, (j + 1) * c)  # among the visiting K/V's
         sliced.append((rows, cols, causal, keep))
     return sliced
+
+
+# ---------------------------------------- whole sequences: the model's own attention again
+def whole_sequence_predict(model, task, attention, layout):
+    """evaluate()'s `predict`: evaluation reads whole sequences (no gradients, little memory) with
+    causal SDPA on every rank (FSDP needs them all in each forward); CP rank 0 returns the outputs,
+    so each sample counts once."""
+
+    def predict(*inputs):
+        with plain_attention(task, model, attention) if attention else nullcontext():
+            outputs = model(*inputs)
+        return outputs if layout.cp_rank == 0 else None
+
+    return predict
+
+
+@contextmanager
+def plain_attention(task, model, attention):
+    """Whole sequences on every rank (evaluation, the loss check): causal SDPA, then `attention`
+    (the ring's, or Ulysses') again."""
+    task.set_attention(model, None)
+    try:
+        yield
+    finally:
+        task.set_attention(model, attention)
