@@ -54,9 +54,8 @@ from common.attention_kernels import (
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
-from common.cp_checks import check_cp, check_cp_size, check_ulysses_heads
+from common.cp_checks import check_cp_model, check_cp_size
 from common.cp_costs import (
-    attention_shapes,
     blocks_per_rank,
     cp_chunks,
     cp_start_line,
@@ -401,11 +400,8 @@ def main():
     model = model.to(accelerator.device)
     units = task.units(model)  # the repeated units: one FSDP unit each, --compile
     n_params, model_line = count_parameters(model), task.describe(model)
-    check_cp(layout, model, task, args)  # CP: a model without them is refused, one line
-    # CP: what the attention receives (heads, widths, layers, windows): bytes, Ulysses' head check
-    kv_shape = attention_shapes(task, model, accelerator.device) if layout.cp > 1 else None
-    if layout.cp > 1 and args.cp_impl == "ulysses":
-        check_ulysses_heads(layout, kv_shape)  # CP: the heads divide by cp, or one line
+    # CP: a model without them is refused, one line; what its attention receives (heads, windows)
+    kv_shape = check_cp_model(layout, model, task, args, accelerator.device)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     layout.build_mesh(accelerator.device.type)
@@ -470,7 +466,7 @@ def main():
                 loss_sum = cp_forward_backward(accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale)
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()  # FSDP: each rank updates its own shard
+            optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -480,9 +476,8 @@ def main():
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
-            monitor.eval(
-                step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout, predict)
-            )
+            scores = evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout, predict)
+            monitor.eval(step, scores)
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
     feed.close()
