@@ -94,9 +94,10 @@ def worker(args) -> None:
     """One rank of a cp-rank job: memory at --seq_len, bytes sent, times at --tokens_per_rank."""
     import torch
     import torch.distributed as dist
-    from train_cp import Ring, Ulysses, rank_positions, ring_attention, ulysses_attention
+    from train_cp import Ring, Ulysses, ring_attention, ulysses_attention
 
     from common.cp_costs import cp_chunks, ring_bytes_per_step, ulysses_bytes_per_step
+    from common.cp_masks import rank_positions
     from common.model import GPT, GPTConfig, GPTTask
 
     torch.set_num_threads(1)

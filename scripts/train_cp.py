@@ -2,10 +2,10 @@
 """Context parallelism (CP) with 🤗 Accelerate: ring attention, or Ulysses' all-to-alls, over a
 sequence cut into pieces.
 
-Long sequences run out of activation memory before they run out of weights: every layer keeps
-activations of size batch x tokens x width. CP cuts every sequence over `cp` ranks; each rank runs
-the whole model on its own tokens. Only attention needs the other tokens: their keys and values
-travel around a ring of the CP ranks, one block per step, while a rank computes on the one it has.
+Long sequences run out of activation memory before they run out of weights. CP cuts every
+sequence over `cp` ranks; each rank runs the whole model on its own tokens. Only attention needs
+the others: their keys and values travel around a ring of the CP ranks, one block per step, while a
+rank computes on the one it has.
 
     ring of cp = 4 (forward, one layer): step s, rank r holds the K/V of rank r - s
         rank 0 --K/V--> rank 1 --K/V--> rank 2 --K/V--> rank 3 --K/V--> (rank 0)
@@ -16,16 +16,10 @@ travel around a ring of the CP ranks, one block per step, while a rank computes 
         chunk:   0  1  2  3  4  5  6  7
         rank:    0  1  2  3  3  2  1  0     rank r holds chunks r and 2cp-1-r: the same work each
 
-    --cp_impl ulysses (DeepSpeed-Ulysses; its section follows the ring's): rank r holds chunk r of
-    cp; in every layer an all-to-all turns q, k, v (batch, heads, tokens/cp, d) into (batch,
-    heads/cp, tokens, d): whole sequences, cp-th of the heads; fused causal SDPA; an all-to-all
-    brings the output back. 4 all-to-alls forward, 4 backward, each b x s/cp x d per rank, (cp-1)/cp
-    of it sent: half the ring's bytes at cp 2, 3/10 at cp 4, but not hidden behind compute, and the
-    heads must divide by cp.
-
-    masks (both): each layer's sliding window (a block whole, cropped with a mask, or skipped;
-    steps no rank needs are not sent), learned sinks (one more logit of the log-sum-exp),
-    soft-capped scores
+    --cp_impl ulysses (DeepSpeed-Ulysses, the section after the ring's): rank r holds chunk r of
+    cp; an all-to-all turns q, k, v (batch, heads, tokens/cp, d) into (batch, heads/cp, tokens, d),
+    fused causal SDPA, an all-to-all back: fewer bytes than the ring, none hidden behind compute,
+    and the heads must divide by cp. Both honour each layer's sliding window, sinks, soft-capping.
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_cp.py \\
@@ -33,18 +27,13 @@ Run it:
     accelerate launch ... --num_processes 4 scripts/train_cp.py --cp_size 2   # dp 2 x cp 2
     accelerate launch ... scripts/train_cp.py --cp_impl ulysses               # all-to-all, no ring
     python scripts/train_cp.py                     # one process: nothing to cut, no ring installed
-Gradients reduce over dp x cp (CP ranks hold the same weights): FSDP shards over the flattened
-dp_shard x cp mesh, as torchtitan's dp_shard_cp. Data parallel beside CP shards the data by the dp
-coordinate only: every rank of a CP group reads the same samples. Lines marked `# CP:` are the
-strategy; `# Accelerate:` the library's part. Any model whose Task implements Task.set_attention and
-Task.forward_at trains under CP: the built-in GPT, the 🤗 families (through transformers'
-AttentionInterface), a model of your own (docs/your-model.md). Below the lesson: the kernel of one
-block (common/attention_kernels.py), the bytes and start line (common/cp_costs.py), the refusals
-(common/cp_checks.py).
+FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp): CP ranks hold the same weights, and read
+the same samples. Lines marked `# CP:` are the strategy; `# Accelerate:` the library's part. Any
+model whose Task implements set_attention and forward_at trains under CP (docs/your-model.md).
 """
 
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -62,20 +51,24 @@ from common.attention_kernels import (
     block_attention_backward,
     whole_sequence_attention,
 )
-from common.causal_lm import documents_of
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
-from common.cp_checks import check_cp, check_cp_size, check_ulysses_heads
+from common.cp_checks import check_cp_model, check_cp_size
 from common.cp_costs import (
-    attention_shapes,
-    block_in_window,
-    causal_blocks,
+    blocks_per_rank,
     cp_chunks,
     cp_start_line,
     cp_traffic,
     reset_traffic,
     ring_steps,
+)
+from common.cp_masks import (
+    loss_positions,
+    plain_attention,
+    rank_positions,
+    step_blocks,
+    whole_sequence_predict,
 )
 from common.cut_check import check_cut, uncut_copy
 from common.evaluation import evaluate
@@ -105,8 +98,7 @@ class Ring:
         return dist.get_global_rank(self.group, (self.rank + hops) % self.size)
 
     def start_pass(self, send: torch.Tensor, tag: int, phase: str, hops: int = 1):
-        """Post: send `send` `hops` ranks on (the next one), receive the same shape from as far
-        back."""
+        """Post: send `send` `hops` ranks on, receive the same shape from as far back."""
         recv = torch.empty_like(send)
         ops = [
             dist.P2POp(dist.isend, send, self.peer(hops), self.group, tag),  # CP: both at once
@@ -130,38 +122,26 @@ class Ring:
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the keys/values of the whole ring, within
-    `window` tokens (None: the whole past), with a learned sink logit per head (`sinks`, gpt-oss)
-    and soft-capped scores; with `documents` ((batch, tokens): the whole sequences' ids,
-    --document_mask) within each query's document.
-
-    Forward: step s attends to the K/V block of rank (r - s) while the next block travels; each
-    block is one fused kernel call (block_attention) returning its output and log-sum-exp, and the
-    partial outputs merge through the log-sum-exp (flash attention's online softmax); a sink joins
-    the merge as one more logit with a zero value. Backward: the K/V go round again; each block is
-    the kernel's backward with the merged output and log-sum-exp of its rows; dK/dV of each block
-    accumulate on every rank it visits and reach their owner after cp passes (or, when a window ends
-    the ring early, straight from the last rank); each pass overlaps the next block's compute."""
+    """Causal attention of this rank's queries over the K/V of the whole ring, with the model's
+    masks (`window` tokens, a learned `sinks` logit per head, `softcap`, `documents` ids). Forward:
+    step s attends to rank (r - s)'s block while the next one travels; the blocks' outputs merge
+    through their log-sum-exp; a sink is one more logit, value 0. Backward: the K/V go round again;
+    each block's dK/dV travel with it and reach their owner (or, when a window ends the ring early,
+    go straight to it from the last rank)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, window=None, sinks=None, softcap=None, documents=None):
         B, H, T, D = q.shape
-        scale = D**-0.5
-        mine = ring.chunks_of[ring.rank]
-        c = T // len(mine)
+        scale, c = D**-0.5, T // len(ring.chunks_of[ring.rank])  # c: tokens per chunk
         steps = ring_steps(ring.chunks_of, c, window)  # CP: a window may end the ring early
         out = torch.zeros_like(q, dtype=torch.float32)  # merged in fp32, in the layout of q
         lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        kv, computed = torch.stack([k, v]).contiguous(), 0
         for step in range(steps):
-            theirs = ring.chunks_of[(ring.rank - step) % ring.size]
             # CP: the next block travels while this one computes
             pending = ring.start_pass(kv, 0, "forward") if step < steps - 1 else None
-            blocks = masked_blocks(mine, theirs, c, window)  # CP: what the masks leave to compute
-            blocks = document_blocks(blocks, mine, theirs, c, documents)
-            for i, j, rows, cols, causal, keep in blocks:
-                rows = slice(i * c + rows.start, i * c + rows.stop)  # among this rank's tokens
-                cols = slice(j * c + cols.start, (j + 1) * c)
+            blocks = step_blocks(ring.chunks_of, ring.rank, step, c, window, documents)  # CP: masks
+            for rows, cols, causal, keep in blocks:
                 q_i, k_j, v_j = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
                 block_out, block_lse = block_attention(q_i, k_j, v_j, causal, scale, keep, softcap)
                 new_lse = torch.logaddexp(lse[:, :, rows], block_lse)  # CP: merge by log-sum-exp
@@ -171,13 +151,11 @@ class RingAttention(torch.autograd.Function):
                     + block_out * torch.exp(block_lse - seen)[..., None]
                 )
                 lse[:, :, rows] = new_lse
-            ring.blocks_computed += len(blocks)
-            ring.blocks_skipped += len(causal_blocks(mine, theirs)) - len(blocks)  # the window's
+            computed += len(blocks)
             if pending is not None:
                 kv = Ring.finish(pending)
-        for step in range(steps, ring.size):  # the steps a window ended: their blocks skipped too
-            theirs = ring.chunks_of[(ring.rank - step) % ring.size]
-            ring.blocks_skipped += len(causal_blocks(mine, theirs))
+        ring.blocks_computed += computed  # the causal ring's other blocks: skipped by the masks
+        ring.blocks_skipped += blocks_per_rank(ring.chunks_of)[ring.rank] - computed
         if sinks is not None:  # CP: the sink, one more logit of each row, value 0: weights shrink
             new_lse = torch.logaddexp(lse, sinks.float().view(1, H, 1))
             out, lse = out * torch.exp(lse - new_lse)[..., None], new_lse
@@ -191,24 +169,16 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks, documents = ctx.saved_tensors
         ring, window, softcap = ctx.ring, ctx.window, ctx.softcap
         T, D = q.shape[2], q.shape[3]
-        scale = D**-0.5
-        mine = ring.chunks_of[ring.rank]
-        c = T // len(mine)
+        scale, c = D**-0.5, T // len(ring.chunks_of[ring.rank])
         steps = ring_steps(ring.chunks_of, c, window)
-        dout = dout.contiguous()
-        dq = torch.zeros_like(q)
-        kv = torch.stack([k, v]).contiguous()
-        dkv_pending = None
+        dout, dq = dout.contiguous(), torch.zeros_like(q)
+        kv, dkv_pending = torch.stack([k, v]).contiguous(), None
         for step in range(steps):
-            theirs = ring.chunks_of[(ring.rank - step) % ring.size]
             # CP: the K/V go round again
             pending = ring.start_pass(kv, 0, "backward") if step < steps - 1 else None
             dkv = torch.zeros_like(kv)  # this rank's share of the visiting block's dK, dV
-            blocks = masked_blocks(mine, theirs, c, window)
-            blocks = document_blocks(blocks, mine, theirs, c, documents)
-            for i, j, rows, cols, causal, keep in blocks:
-                rows = slice(i * c + rows.start, i * c + rows.stop)
-                cols = slice(j * c + cols.start, (j + 1) * c)
+            blocks = step_blocks(ring.chunks_of, ring.rank, step, c, window, documents)
+            for rows, cols, causal, keep in blocks:
                 q_i, k_j, v_j = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
                 # merged: the whole rows
                 out_i, lse_i = out[:, :, rows], lse[:, :, rows].contiguous()
@@ -247,10 +217,8 @@ def ring_attention(ring: Ring):
 
 
 def apply_context_parallel(model, task, layout: Layout, impl: str = "ring", windows=None):
-    """Every attention layer of the model becomes the ring (head-tail chunks) or Ulysses'
-    all-to-alls (chunk r of cp) over this rank's CP group; returns the attention function installed.
-    `windows`: the layers' sliding windows (attention_shapes), which may choose other chunks
-    (cp_chunks)."""
+    """Every attention layer becomes the ring or Ulysses' all-to-alls over this rank's CP group;
+    returns the attention installed. `windows` (the layers') may choose the chunks (cp_chunks)."""
     chunks_of = cp_chunks(layout.cp, impl, windows, task.tokens_per_sample)
     if impl == "ulysses":
         attention = ulysses_attention(Ulysses(layout.group("cp"), chunks_of))
@@ -261,11 +229,8 @@ def apply_context_parallel(model, task, layout: Layout, impl: str = "ring", wind
 
 
 def cp_loss(task, layout: Layout, device, impl: str = "ring", windows=None):
-    """The loss of this rank's tokens of a micro-batch, `with loss(model, micro_batch) as
-    loss_sum:`, a context its backward runs in (PyTorch's context_parallel must see both). Chosen
-    once, for cp_forward_backward: without CP the whole sequence; under the ring this rank's chunks
-    (r and 2cp-1-r), under Ulysses chunk r of cp (cp_chunks: `windows` as apply_context_parallel's),
-    at their positions."""
+    """`with loss_of(model, mb) as loss_sum:` the loss of this rank's tokens (cp_chunks) at their
+    positions, a context its backward runs in; without CP the whole sequence's."""
     if layout.cp == 1:
 
         @contextmanager
@@ -281,12 +246,8 @@ def cp_loss(task, layout: Layout, device, impl: str = "ring", windows=None):
     @contextmanager
     def ring_loss(model, mb):
         ids, targets = task.inputs(mb)[0][:, positions], task.next_token_targets(mb)[:, positions]
-        if "position_ids" not in mb:
-            yield task.loss_at(model, ids, targets, positions)[0]
-            return
-        # CP: --document_mask: positions in each document, and the documents of whole sequences
-        documents = documents_of(mb["position_ids"])
-        yield task.loss_at(model, ids, targets, mb["position_ids"][:, positions], documents)[0]
+        # CP: at their positions (--document_mask: in each document, and the documents)
+        yield task.loss_at(model, ids, targets, *loss_positions(mb, positions))[0]
 
     ring_loss.positions = positions  # the cut check compares outputs at these positions
     return ring_loss
@@ -295,11 +256,9 @@ def cp_loss(task, layout: Layout, device, impl: str = "ring", windows=None):
 def cp_forward_backward(
     accelerator, model, micro_batches: list, n_global_targets, loss_of, grad_scale: int
 ) -> torch.Tensor:
-    """Forward and backward of this rank's slice of every sequence; returns its loss sum (its own
-    tokens). `loss_of` (cp_loss's) gives the loss of this rank's tokens. The loss is divided by the
-    global batch's target count; FSDP averages gradients over the dp x cp ranks, so it is scaled
-    back by their number (`grad_scale`): the gradient is that of (global loss sum / global targets).
-    FSDP reduce-scatters every micro-batch's gradients, as in train_fsdp.py."""
+    """Forward and backward of this rank's tokens of every sequence; returns their loss sum. FSDP
+    averages gradients over the dp x cp ranks: `grad_scale` (their number) scales back, so the
+    gradient is that of (global loss sum / global targets)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         with accelerator.autocast():  # Accelerate: autocast
@@ -309,89 +268,10 @@ def cp_forward_backward(
     return step_loss_sum
 
 
-def whole_sequence_predict(model, task, attention, layout: Layout):
-    """evaluate()'s `predict`: evaluation reads whole sequences (no gradients, little memory) with
-    causal SDPA on every rank (FSDP needs them all in each forward); CP rank 0 returns the outputs,
-    so each sample counts once."""
-
-    def predict(*inputs):
-        with plain_attention(task, model, attention) if attention else nullcontext():
-            outputs = model(*inputs)
-        return outputs if layout.cp_rank == 0 else None
-
-    return predict
-
-
-@contextmanager
-def plain_attention(task, model, attention):
-    """Whole sequences on every rank (evaluation, the loss check): causal SDPA, then the ring
-    again."""
-    task.set_attention(model, None)
-    try:
-        yield
-    finally:
-        task.set_attention(model, attention)
-
-
-# ---------------------------------------- CP: the tokens a rank holds, the masks a block can carry
-def rank_positions(seq_len: int, chunks: list[int], n_chunks: int, device=None) -> torch.Tensor:
-    """The real positions, in the sequence, of a rank's tokens: its chunks, in order."""
-    size = seq_len // n_chunks
-    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in chunks])
-
-
-def masked_blocks(q_chunks: list[int], kv_chunks: list[int], c: int, window: int | None) -> list:
-    """The blocks of `q_chunks` x `kv_chunks` (chunks of c tokens) a causal mask within `window`
-    tokens (None: the whole past) leaves something in: (index of the q chunk, of the kv chunk, rows,
-    cols, causal, keep): `rows`/`cols` slice the block, `causal` is a whole diagonal block, `keep` a
-    bool mask of (rows, cols) or None."""
-    blocks = []
-    for i, qc in enumerate(q_chunks):
-        for j, kc in enumerate(kv_chunks):
-            if not block_in_window(qc, kc, c, window):
-                continue  # after the query chunk, or wholly outside the window
-            d = (qc - kc) * c  # row 0's offset from col 0: row a sees col b at offset d + a - b
-            if window is None or d + c - 1 < window:
-                blocks.append((i, j, slice(0, c), slice(0, c), d == 0, None))
-                continue
-            rows = torch.arange(min(c, window + c - 1 - d))[:, None]  # the rows that see some key
-            cols = torch.arange(max(0, d - window + 1), c)  # the keys some row sees
-            offset = d + rows - cols[None]
-            keep = (offset >= 0) & (offset < window)
-            blocks.append((i, j, slice(0, rows.shape[0]), slice(int(cols[0]), c), False, keep))
-    return blocks
-
-
-def document_blocks(blocks: list, q_chunks: list[int], kv_chunks: list[int], c: int, documents):
-    """masked_blocks' blocks with the document mask (--document_mask) on top: a query sees only keys
-    of its own document. `documents`: (batch, tokens) ids of the whole sequences. A block no
-    sequence keeps anything of is dropped (not computed); one kept whole stays unmasked; the others
-    carry a (batch, 1, rows, cols) mask."""
-    if documents is None:
-        return blocks
-    kept = []
-    for i, j, rows, cols, causal, keep in blocks:
-        q0, k0 = q_chunks[i] * c, kv_chunks[j] * c  # the chunks' first positions in the sequence
-        q_docs = documents[:, q0 + rows.start : q0 + rows.stop, None]
-        same = (q_docs == documents[:, None, k0 + cols.start : k0 + cols.stop])[:, None]
-        if causal:
-            keep = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
-        mask = same if keep is None else same & keep.to(same.device)
-        if not mask.any():
-            continue  # CP: every query of the block is in another document than every key
-        if keep is None and mask.all():
-            kept.append((i, j, rows, cols, causal, None))
-        else:
-            kept.append((i, j, rows, cols, False, mask))
-    return kept
-
-
 # ---------------------------------------- CP: Ulysses, the other way to cut the sequence
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single over the CP group: dim 0 of `x` is cut into cp pieces, piece j goes to rank
-    j, and piece j of the result came from rank j. Its backward is the same exchange of the gradient
-    (what came from rank j goes back to it). Gloo has all_to_all_single; the functional collective
-    (what the run's collective counter sees) is waited for here."""
+    """all_to_all_single over the CP group: piece j of dim 0 goes to rank j, piece j of the result
+    came from rank j; backward exchanges the gradient the same way."""
 
     @staticmethod
     def forward(ctx, x, ulysses):
@@ -404,8 +284,8 @@ class AllToAll(torch.autograd.Function):
 
 
 class Ulysses:
-    """The all-to-alls of one CP group: which chunks of a sequence each rank holds, what was sent
-    (the buffers each rank hands to all_to_all_single; (cp-1)/cp of each leaves the rank)."""
+    """The all-to-alls of one CP group: which chunks each rank holds, what was sent (the buffers
+    handed to all_to_all_single; (cp-1)/cp of each leaves the rank)."""
 
     def __init__(self, group, chunks_of: list[list[int]]):
         self.group, self.chunks_of = group, chunks_of
@@ -424,8 +304,7 @@ class Ulysses:
         return funcol.wait_tensor(exchanged)
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, heads, tokens/cp, d), this rank's tokens -> (batch, heads/cp, tokens, d), whole
-        sequences."""
+        """(batch, heads, tokens/cp, d) -> (batch, heads/cp, tokens, d): whole sequences."""
         B, H, T, D = x.shape
         n = len(self.chunks_of[self.rank])  # chunks per rank
         # piece j: the heads for rank j; back (CP): (B, H/cp, rank, T, D), rank j's tokens
@@ -437,8 +316,7 @@ class Ulysses:
         return x.reshape(B, H // self.size, self.size * T, D)
 
     def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, heads/cp, tokens, d) -> (batch, heads, tokens/cp, d): this rank's tokens, every
-        head."""
+        """(batch, heads/cp, tokens, d) -> (batch, heads, tokens/cp, d): this rank's tokens."""
         B, h, S, D = x.shape
         n = len(self.chunks_of[self.rank])
         x = x.reshape(B, h, self.size * n, S // (self.size * n), D)
@@ -451,10 +329,8 @@ class Ulysses:
 
 
 def ulysses_attention(ulysses: Ulysses):
-    """The attention function the model calls in place of causal SDPA (Task.set_attention): q, k, v
-    to head shards of whole sequences, the fused kernel (a window as its mask), the output back to
-    this rank's tokens. Sinks and soft-capped scores, which no fused kernel takes, are plain
-    matmuls."""
+    """The attention the model calls in place of causal SDPA (Task.set_attention): q, k, v to head
+    shards of whole sequences, attention with the layer's masks, the output back to this rank's."""
 
     def attention(q, k, v, dropout_p=0.0, window=None, sinks=None, softcap=None, documents=None):
         q, k, v = (ulysses.seq_to_heads(t) for t in (q, k, v))  # CP: 3 all-to-alls, to heads/cp
@@ -524,11 +400,8 @@ def main():
     model = model.to(accelerator.device)
     units = task.units(model)  # the repeated units: one FSDP unit each, --compile
     n_params, model_line = count_parameters(model), task.describe(model)
-    check_cp(layout, model, task, args)  # CP: a model without them is refused, one line
-    # CP: what the attention receives (heads, widths, layers, windows): bytes, Ulysses' head check
-    kv_shape = attention_shapes(task, model, accelerator.device) if layout.cp > 1 else None
-    if layout.cp > 1 and args.cp_impl == "ulysses":
-        check_ulysses_heads(layout, kv_shape)  # CP: the heads divide by cp, or one line
+    # CP: a model without them is refused, one line; what its attention receives (heads, windows)
+    kv_shape = check_cp_model(layout, model, task, args, accelerator.device)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     layout.build_mesh(accelerator.device.type)
@@ -593,7 +466,7 @@ def main():
                 loss_sum = cp_forward_backward(accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale)
             grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # the whole model's
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()  # FSDP: each rank updates its own shard
+            optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -603,9 +476,8 @@ def main():
             loss = (accelerator.reduce(loss_sum, reduction="sum") / n_global_targets).item()
             monitor.train(step, loss, lr, grad_norm)
         if monitor.due(step, "eval"):
-            monitor.eval(
-                step, evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout, predict)
-            )
+            scores = evaluate(accelerator, model, task, data.validation, args.eval_batch_size, layout, predict)
+            monitor.eval(step, scores)
         if monitor.due(step, "checkpoint") or feed.preempted:  # every rank writes its part
             save_checkpoint(accelerator, args, step, feed, model, optimizer, scheduler, facts)
     feed.close()

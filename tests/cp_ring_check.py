@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from train_cp import Ring, RingAttention, rank_positions
+from train_cp import Ring, RingAttention
 
 from common.cp_costs import contiguous_chunks, head_tail_chunks, ring_steps
+from common.cp_masks import rank_positions
 
 B, H, T, D = 2, 3, 8 * 2 * 3 * 4, 16  # T divides 2 x cp for cp = 2, 3, 4: chunks of 24 (head-tail, cp 4) to 96
 MASKS = {  # name: (window, sinks, softcap, documents)

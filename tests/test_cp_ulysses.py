@@ -195,9 +195,10 @@ def attention_check() -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from train_cp import Ulysses, rank_positions, ulysses_attention
+    from train_cp import Ulysses, ulysses_attention
 
     from common.cp_costs import contiguous_chunks, head_tail_chunks
+    from common.cp_masks import rank_positions
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

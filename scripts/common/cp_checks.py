@@ -2,6 +2,7 @@
 anything is cut: the CP size against the processes, the model's Task against CP's contract, the
 sequence against the chunks, and Ulysses' heads against cp."""
 
+from .cp_costs import attention_shapes
 from .errors import UsageError
 
 
@@ -59,3 +60,14 @@ def check_ulysses_heads(layout, shapes: dict) -> None:
             f"--cp_size {layout.cp} --cp_impl ulysses cuts the attention heads over {layout.cp} ranks, but "
             f"the model has {q_heads} query heads{kv}: use a --cp_size that divides the heads, or --cp_impl ring"
         )
+
+
+def check_cp_model(layout, model, task, args, device) -> dict | None:
+    """train_cp.py's checks of the model, in order: check_cp, then what the attention receives
+    (attention_shapes: heads, widths, layers, windows; None without CP), then under --cp_impl
+    ulysses the heads against cp. Returns the shapes (the bytes, the chunks, the start line)."""
+    check_cp(layout, model, task, args)
+    kv_shape = attention_shapes(task, model, device) if layout.cp > 1 else None
+    if layout.cp > 1 and args.cp_impl == "ulysses":
+        check_ulysses_heads(layout, kv_shape)
+    return kv_shape
