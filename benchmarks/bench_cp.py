@@ -63,8 +63,9 @@ def attention_seconds(group, cp: int, tokens: int, iters: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from train_cp import Ring, RingAttention
+    from train_cp import RingAttention
 
+    from common.cp_comms import Ring
     from common.cp_costs import head_tail_chunks
 
     heads, head_dim = 4, 16
@@ -94,8 +95,9 @@ def worker(args) -> None:
     """One rank of a cp-rank job: memory at --seq_len, bytes sent, times at --tokens_per_rank."""
     import torch
     import torch.distributed as dist
-    from train_cp import Ring, Ulysses, ring_attention, ulysses_attention
+    from train_cp import ring_attention, ulysses_attention
 
+    from common.cp_comms import Ring, Ulysses
     from common.cp_costs import cp_chunks, ring_bytes_per_step, ulysses_bytes_per_step
     from common.cp_masks import rank_positions
     from common.model import GPT, GPTConfig, GPTTask

@@ -50,13 +50,13 @@ from accelerate.utils import set_seed
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from train_cp import apply_context_parallel, cp_loss
+from train_cp import apply_context_parallel
 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
 from common.cp_checks import check_cp
-from common.cp_masks import plain_attention, whole_sequence_predict
+from common.cp_masks import cp_loss, plain_attention, whole_sequence_predict
 from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate

@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from train_cp import Ring, RingAttention
+from train_cp import RingAttention
 
+from common.cp_comms import Ring
 from common.cp_costs import contiguous_chunks, head_tail_chunks, ring_steps
 from common.cp_masks import rank_positions
 

@@ -195,8 +195,9 @@ def attention_check() -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from train_cp import Ulysses, ulysses_attention
+    from train_cp import ulysses_attention
 
+    from common.cp_comms import Ulysses
     from common.cp_costs import contiguous_chunks, head_tail_chunks
     from common.cp_masks import rank_positions
 

@@ -54,9 +54,9 @@ BUILT_IN_MAX_LINES = {  # script: cap  # reached
     "train_fsdp.py": 3860,  # 3,745
     "train_tp.py": 4130,  # 4,012
     "train_pp.py": 4200,  # 4,076
-    "train_cp.py": 4380,  # 4,252
+    "train_cp.py": 4530,  # 4,403 (4,252 before the ring, loss and sinks left the lesson, 166 lines shorter)
     "train_ep.py": 4230,  # 4,102
-    "train_hybrid.py": 6450,  # 6,258
+    "train_hybrid.py": 6450,  # 6,243
 }
 
 

@@ -105,7 +105,7 @@ SHAPE_CAPS = {  # script: (changed lines, lines, long lines), each ~10% above th
     "train_fsdp.py": (255, 317, 22),  # 231, 288, 20
     "train_tp.py": (321, 339, 28),  # 291, 308, 25
     "train_pp.py": (330, 347, 13),  # 300, 315, 11
-    "train_cp.py": (519, 547, 8),  # 472, 497, 7 (604, 625, 7 before its masks and checks moved to common/)
+    "train_cp.py": (330, 365, 13),  # 300, 331, 11 (472, 497, 7 before its ring, loss and sinks moved to common/)
     "train_ep.py": (289, 325, 9),  # 262, 295, 8
     "train_localsgd.py": (330, 404, 16),  # 300, 367, 14
     "train_hybrid.py": (452, 442, 36),  # 406, 397, 32 (not a single-strategy lesson; was 410, 401)

@@ -1,15 +1,15 @@
 """Context parallelism's tokens and masks (train_cp.py, train_hybrid.py --cp_size): the positions of
-a rank's tokens in the sequence, the blocks of a ring step that the causal mask, a sliding window
-and the document mask (--document_mask) leave something in, each with the mask it carries, and the
-model's own attention back for whole sequences (evaluation, the contract's check). The ring's loop,
-its merge and its transfers stay in the lesson."""
+a rank's tokens in the sequence and their loss (cp_loss), the blocks of a ring step that the causal
+mask, a sliding window and the document mask (--document_mask) leave something in, each with the
+mask it carries, and the model's own attention back for whole sequences (evaluation, the contract's
+check). The ring's loop and its merge stay in the lesson; its transfers are in cp_comms.py."""
 
 from contextlib import contextmanager, nullcontext
 
 import torch
 
 from .causal_lm import documents_of
-from .cp_costs import block_in_window
+from .cp_costs import block_in_window, cp_chunks
 
 
 def rank_positions(seq_len: int, chunks: list[int], n_chunks: int, device=None) -> torch.Tensor:
@@ -25,6 +25,45 @@ def loss_positions(mb: dict, positions: torch.Tensor) -> tuple:
     if "position_ids" not in mb:
         return (positions,)
     return mb["position_ids"][:, positions], documents_of(mb["position_ids"])
+
+
+def cp_loss(task, layout, device, impl: str = "ring", windows=None):
+    """`with loss_of(model, mb) as loss_sum:` the loss of this rank's tokens (cp_chunks) at their
+    positions, a context its backward runs in; without CP the whole sequence's."""
+    if layout.cp == 1:
+
+        @contextmanager
+        def whole_sequence_loss(model, mb):
+            yield task.loss_of(model, mb)[0]
+
+        return whole_sequence_loss
+    # CP: this rank's tokens (its chunks, the same positions in every sequence) and their targets
+    chunks_of = cp_chunks(layout.cp, impl, windows, task.tokens_per_sample)
+    n_chunks = sum(map(len, chunks_of))
+    positions = rank_positions(task.tokens_per_sample, chunks_of[layout.cp_rank], n_chunks, device)
+
+    @contextmanager
+    def ring_loss(model, mb):
+        ids, targets = task.inputs(mb)[0][:, positions], task.next_token_targets(mb)[:, positions]
+        # CP: at their positions (--document_mask: in each document, and the documents)
+        yield task.loss_at(model, ids, targets, *loss_positions(mb, positions))[0]
+
+    ring_loss.positions = positions  # the cut check compares outputs at these positions
+    return ring_loss
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple:
+    """The ring's merged rows with a learned sink per head (gpt-oss): one more logit of each row,
+    value 0, so every weight shrinks; returns (out, lse) with the sink merged in."""
+    new_lse = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+    return out * torch.exp(lse - new_lse)[..., None], new_lse
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """d loss / d sink: d out / d sink = -p_sink * out for each row, summed over the rows."""
+    row_dot = (dout.float() * out.float()).sum(-1)
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return -(p_sink * row_dot).sum((0, 2)).to(sinks.dtype)
 
 
 def masked_blocks(q_chunks: list[int], kv_chunks: list[int], c: int, window: int | None) -> list:
