@@ -39,7 +39,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     a("--batch_size", type=int, default=64, help="micro-batch per data-parallel rank")
     a("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     a("--global_batch_size", type=int, help="keep the global batch whatever the processes: it sets the accumulation")
-    a("--optimizer", default="adamw", help="adamw | sgd (plain SGD, no momentum)")
+    muon = "muon (Muon for the hidden matrices, AdamW for the rest: docs/optimizers.md)"
+    a("--optimizer", default="adamw", help=f"adamw | sgd (plain SGD, no momentum) | {muon}")
+    a("--muon_momentum", type=float, default=0.95, help="--optimizer muon: Nesterov momentum of the matrices")
+    a("--ns_steps", type=int, default=5, help="--optimizer muon: Newton–Schulz steps that orthogonalise an update")
     a("--learning_rate", type=float, default=1e-3, help="peak learning rate")
     a("--weight_decay", type=float, default=0.1, help="decoupled weight decay on matrices (not biases, norms)")
     a("--warmup_steps", type=int, default=100, help="linear warm-up, then cosine decay to 10%% of the peak")
@@ -74,8 +77,13 @@ def check_core_args(args) -> None:
         raise UsageError(f"--learning_rate must be positive (got {args.learning_rate})")
     if args.collective_timeout <= 0:
         raise UsageError(f"--collective_timeout must be positive seconds (got {args.collective_timeout})")
-    if args.optimizer not in ("adamw", "sgd"):
-        raise UsageError(f"--optimizer {args.optimizer!r} is not supported: use adamw or sgd")
+    if args.optimizer not in ("adamw", "sgd", "muon"):
+        raise UsageError(f"--optimizer {args.optimizer!r} is not supported: use adamw, sgd or muon")
+    if args.ns_steps < 1 or not 0 <= args.muon_momentum < 1:
+        raise UsageError(
+            f"--ns_steps must be at least 1 (got {args.ns_steps}) and --muon_momentum in [0, 1) "
+            f"(got {args.muon_momentum})"
+        )
     if args.output_dir and os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output_dir {args.output_dir} is a file, not a folder: give a folder for the run's outputs")
     if hasattr(args, "model_size"):  # the script added the built-in models' and data's flags

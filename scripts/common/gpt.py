@@ -105,6 +105,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The output head (🤗's name for it): --optimizer muon keeps it on AdamW."""
+        return self.lm_head
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L). Seed first: every

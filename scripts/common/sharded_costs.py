@@ -10,16 +10,26 @@ from torch.distributed.tensor import DTensor
 from .costs import peak_memory_mb
 
 
-def ddp_state_bytes(n_params: int, optimizer_name: str) -> dict:
+def ddp_state_bytes(n_params: int, optimizer_name: str, muon_share: float = 0.0) -> dict:
     """What DDP holds on every rank in fp32: parameters, gradients, and for AdamW two moments
-    (plus a 4-byte step count per tensor, ignored here)."""
-    optim = 8 * n_params if optimizer_name == "adamw" else 0
+    (plus a 4-byte step count per tensor, ignored here); Muon keeps one (its momentum) for the
+    `muon_share` of the values it takes, AdamW's two for the rest."""
+    optim = {"adamw": 8 * n_params, "muon": round(n_params * (8 - 4 * muon_share))}.get(optimizer_name, 0)
     return {
         "param_bytes": 4 * n_params,
         "grad_bytes": 4 * n_params,
         "optimizer_bytes": optim,
         "total_bytes": 8 * n_params + optim,
     }
+
+
+def muon_share(model, optimizer_name: str) -> float:
+    """The share of this rank's model values Muon takes (0 unless --optimizer muon)."""
+    if optimizer_name != "muon":
+        return 0.0
+    from .muon import muon_numel  # only a Muon run
+
+    return muon_numel(model) / max(1, sum(p.numel() for p in model.parameters()))
 
 
 def gather_max(accelerator, value: float) -> float:
@@ -86,8 +96,10 @@ def sharded_start_line(
     """What each rank holds, printed at start beside DDP's figure; with gradient accumulation, how its
     gradients are kept through the window. Collective (a gather)."""
     param_bytes = gather_max(accelerator, local_bytes(model.parameters()))
-    per_state = 4 if optimizer_name == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
-    ddp_bytes = ddp_state_bytes(n_params, optimizer_name)["total_bytes"]
+    share = muon_share(model, optimizer_name)
+    # parameters, gradients (+ two Adam moments; Muon: one for its share), fp32
+    per_state = {"adamw": 4, "muon": 4 - share}.get(optimizer_name, 2)
+    ddp_bytes = ddp_state_bytes(n_params, optimizer_name, share)["total_bytes"]
     line = (
         f"parameters per rank (largest): {param_bytes / 2**20:.2f} MiB "
         f"of the unsharded {4 * n_params / 2**20:.2f} MiB; "
@@ -124,15 +136,14 @@ def sharded_summary(
         k: gather_max(accelerator, state_bytes.get(k, 0))
         for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
     }
-    ideal = (
-        ddp_state_bytes(n_params, optimizer_name)["total_bytes"] / layout.model_split
-    )  # DDP's bytes over every different piece
+    ddp = ddp_state_bytes(n_params, optimizer_name, muon_share(model, optimizer_name))
+    ideal = ddp["total_bytes"] / layout.model_split  # DDP's bytes over every different piece
     return {
         "n_params": n_params,
         "layout": layout.describe(),
         "peak_memory_mb_max_rank": round(gather_max(accelerator, peak_memory_mb(accelerator.device)), 1),
         "state_bytes_per_rank_max": measured,
-        "ddp_state_bytes_per_rank": ddp_state_bytes(n_params, optimizer_name),
+        "ddp_state_bytes_per_rank": ddp,
         "ideal_state_bytes_per_rank": round(ideal),
         "state_vs_ideal": round(measured["total_bytes"] / ideal, 4),
         "unsharded_param_bytes": 4 * n_params,

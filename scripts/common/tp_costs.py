@@ -66,7 +66,8 @@ def tp_start_lines(
                 for p in model.get_submodule(name).parameters()
             )
         )
-        states = 4 if args.optimizer == "adamw" else 2  # the weight, its gradient (and AdamW's two moments)
+        # the weight, its gradient (and AdamW's two moments; Muon's one, as these are hidden matrices)
+        states = {"adamw": 4, "muon": 3}.get(args.optimizer, 2)
         n_kv = kv[0][1].n_kv_heads
         lines.append(
             f"KV heads: {n_kv} for {layout.tp} ranks, so each is replicated on {layout.tp // n_kv} ranks (Megatron): "

@@ -50,7 +50,8 @@ def restride_buffers(model) -> int:
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not biases, norms), or plain SGD. Each kind of parameter
+    """AdamW with weight decay on matrices only (not biases, norms), plain SGD, or Muon for the hidden
+    matrices beside AdamW for the rest (common/muon.py). Each kind of parameter
     (plain, or a DTensor's mesh and placements) gets its own group, so the multi-tensor kernels run:
     AdamW's fused one, else `foreach` (docs/troubleshooting.md, "Slow or failing optimizer with DTensor
     parameters")."""
@@ -63,6 +64,11 @@ def make_optimizer(model, args) -> torch.optim.Optimizer:
         {"params": params, "weight_decay": args.weight_decay if decay else 0.0} for (decay, _), params in groups.items()
     ]
     kernels = {"foreach": True} if any(isinstance(p, DTensor) for p in params) else {}
+    if args.optimizer == "muon":
+        from .muon import make_muon  # only a Muon run (the Newton–Schulz iteration, the layouts' gathers)
+
+        fused = {"fused": True} if all(p.device.type in ("cpu", "cuda") for p in params) else {}
+        return make_muon(model, args, groups, kernels or fused)
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(param_groups, lr=args.learning_rate, **kernels)
     else:
