@@ -20,9 +20,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from accelerate import PartialState
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim.adamw import adamw
 
 from .errors import UsageError
@@ -45,20 +46,82 @@ def newton_schulz(update: torch.Tensor, steps: int, dtype=torch.float32) -> torc
     return x.mT if tall else x
 
 
-def cuts_a_matrix(p: DTensor) -> bool:
-    """True where a rank holds part of a matrix, not whole matrices of a stack."""
-    return any(pl.is_shard() and pl.dim % p.ndim >= p.ndim - 2 for pl in p.placements)
-
-
-def orthogonalise(update: torch.Tensor, p: torch.Tensor, steps: int) -> torch.Tensor:
-    """Newton–Schulz of a parameter's update, laid out as the parameter is."""
+def cutting_dims(p: torch.Tensor) -> list[int]:
+    """The mesh dimensions (of more than one rank) that cut a matrix of `p`: any placement but Replicate
+    and a Shard of a stack's dimension (FSDP beside TP cuts the same dimension twice: _StridedShard)."""
     if not isinstance(p, DTensor):
-        return newton_schulz(update, steps)
-    if not cuts_a_matrix(p):  # whole matrices on this rank: orthogonalised where they lie
-        local = newton_schulz(update.redistribute(p.device_mesh, p.placements).to_local(), steps)
-        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-    whole = update.full_tensor()  # MUON: the all-gather; every rank gets the whole matrix
-    return distribute_tensor(newton_schulz(whole, steps), p.device_mesh, p.placements, src_data_rank=None)
+        return []
+
+    def stack_only(pl) -> bool:
+        return type(pl) is Shard and pl.dim % p.ndim < p.ndim - 2
+
+    mesh = p.device_mesh
+    return [i for i, pl in enumerate(p.placements) if mesh.size(i) > 1 and not pl.is_replicate() and not stack_only(pl)]
+
+
+def cuts_a_matrix(p: torch.Tensor) -> bool:
+    return bool(cutting_dims(p))
+
+
+def owners(params: list) -> dict:
+    """{id(p): (the group that cuts p, tensor dim, owner's rank in the group)} for each matrix cut along
+    one mesh dimension: dealt round-robin over the group's ranks, in parameter order (the same on every
+    rank), so each rank orthogonalises 1/N of them. A matrix cut along two (dp_shard x tp) is absent."""
+    dealt, plan = {}, {}
+    for p in params:
+        if len(dims := cutting_dims(p)) == 1 and type(p.placements[dims[0]]) is Shard:
+            group = p.device_mesh.get_group(dims[0])
+            n = dealt[group] = dealt.get(group, -1) + 1
+            plan[id(p)] = (group, p.placements[dims[0]].dim % p.ndim, n % dist.get_world_size(group))
+    return plan
+
+
+def slice_sizes(p: DTensor, dim: int, n: int) -> list[int]:
+    """The lengths along `dim` of the n slices a Shard placement cuts (torch.chunk's rule)."""
+    sizes = [len(c) for c in torch.arange(p.shape[dim]).chunk(n)]  # chunk may make fewer than n
+    return sizes + [0] * (n - len(sizes))
+
+
+def padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    pad = [0, 0] * (t.ndim - 1 - dim) + [0, length - t.size(dim)]
+    return torch.nn.functional.pad(t, pad).contiguous()
+
+
+def orthogonalise_all(pairs: list, plan: dict, steps: int) -> list:
+    """Newton–Schulz of each (parameter, this rank's part of its update), as this rank's part. A matrix cut
+    along one mesh dimension: its slices gathered on its owner, orthogonalised there, the owner's result
+    cut and scattered back (round-robin: the work split over the ranks). Cut along two: gathered on every
+    rank (all-gather), orthogonalised everywhere, each rank keeping its slice. Whole: where it lies."""
+    results, gathers, scatters = [None] * len(pairs), [], []
+    for i, (p, update) in enumerate(pairs):
+        if not cuts_a_matrix(p):  # whole matrices (or a stack's) on this rank: orthogonalised where they lie
+            results[i] = newton_schulz(update, steps)
+        elif id(p) in plan:  # MUON: 1. every slice to the matrix's owner (gather)
+            group, dim, owner = plan[id(p)]
+            sizes = slice_sizes(p, dim, dist.get_world_size(group))
+            mine = padded(update, dim, max(sizes))
+            bucket = [torch.empty_like(mine) for _ in sizes] if dist.get_rank(group) == owner else None
+            gathers.append(
+                (i, dim, sizes, bucket, dist.gather(mine, bucket, group=group, group_dst=owner, async_op=True))
+            )
+        else:  # MUON: cut along two mesh dimensions: the all-gather; every rank gets the whole matrix
+            cut = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            whole = newton_schulz(cut.full_tensor(), steps)
+            results[i] = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    for i, dim, sizes, bucket, work in gathers:
+        work.wait()
+        p, update = pairs[i]
+        group, _, owner = plan[id(p)]
+        pieces = None
+        if bucket is not None:  # MUON: 2. the owner orthogonalises the whole matrix, cuts it again
+            whole = torch.cat([b.narrow(dim, 0, n) for b, n in zip(bucket, sizes, strict=True)], dim)
+            pieces = [padded(t, dim, max(sizes)) for t in newton_schulz(whole, steps).split(sizes, dim)]
+        out = torch.empty_like(padded(update, dim, max(sizes)), dtype=torch.float32)
+        scatters.append((i, dim, sizes, out, dist.scatter(out, pieces, group=group, group_src=owner, async_op=True)))
+    for i, dim, sizes, out, work in scatters:  # MUON: 3. each rank receives its slice
+        work.wait()
+        results[i] = out.narrow(dim, 0, sizes[dist.get_rank(plan[id(pairs[i][0])][0])])
+    return results
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -67,6 +130,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, param_groups, lr, momentum=0.95, ns_steps=5, betas=(0.9, 0.95), eps=1e-8, **kernels):
         defaults = dict(lr=lr, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps, muon=False, **kernels)
         super().__init__(param_groups, defaults)
+        self.plan = owners([p for g in self.param_groups if g["muon"] for p in g["params"]])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -76,22 +140,29 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if group["muon"]:
-                for p in params:
-                    self.muon_step(p, group)
+            if group["muon"] and params:
+                self.muon_step(params, group)
             elif params:
                 self.adamw_step(params, group)
         return loss
 
-    def muon_step(self, p, group) -> None:
-        state, momentum = self.state[p], group["momentum"]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        buffer = state["momentum_buffer"]
-        buffer.lerp_(p.grad, 1 - momentum)
-        update = orthogonalise(p.grad.lerp(buffer, momentum), p, group["ns_steps"])  # Nesterov
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update.to(p.dtype), alpha=-group["lr"] * 0.2 * math.sqrt(max(p.shape[-2:])))
+    def muon_step(self, params, group) -> None:
+        """On this rank's parts (a DTensor's local tensor): elementwise, but for Newton–Schulz."""
+        momentum, updates = group["momentum"], []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)  # laid out as the parameter
+            grad = p.grad
+            if isinstance(p, DTensor) and grad.placements != p.placements:
+                grad = grad.redistribute(p.device_mesh, p.placements)
+            grad, buffer = local(grad), local(state["momentum_buffer"])
+            buffer.lerp_(grad, 1 - momentum)
+            updates.append((p, grad.lerp(buffer, momentum)))  # Nesterov
+        for p, update in zip(params, orthogonalise_all(updates, self.plan, group["ns_steps"]), strict=True):
+            weight = local(p)
+            weight.mul_(1 - group["lr"] * group["weight_decay"])
+            weight.add_(update.to(p.dtype), alpha=-group["lr"] * 0.2 * math.sqrt(max(p.shape[-2:])))
 
     def adamw_step(self, params, group) -> None:
         for p in params:
@@ -161,19 +232,32 @@ def muon_line(optimizer: MuonAdamW) -> str:
     matrices whole costs each rank per step."""
     muon = [p for g in optimizer.param_groups if g["muon"] for p in g["params"]]
     rest = [p for g in optimizer.param_groups if not g["muon"] for p in g["params"]]
-    cut = [p for p in muon if isinstance(p, DTensor) and cuts_a_matrix(p)]
-    gathered = sum((p.numel() - p.to_local().numel()) * 4 for p in cut)  # fp32 values this rank receives
+    cut = [p for p in muon if cuts_a_matrix(p)]
+    dealt = {id(p) for p in cut if id(p) in optimizer.plan}
+    mine = {i for i in dealt if dist.get_rank(optimizer.plan[i][0]) == optimizer.plan[i][2]}
+    received = sum(  # fp32 values: an owner gets the other slices, the others their slice back
+        4 * (local(p).numel() if id(p) in dealt and id(p) not in mine else p.numel() - local(p).numel()) for p in cut
+    )
     whole = (
-        f"{len(cut)} cut matrices made whole each step: an all-gather of {gathered / 2**20:.2f} MiB received "
-        "by this rank, Newton–Schulz on every rank"
+        f"{len(cut)} cut matrices made whole each step ({len(dealt)} dealt round-robin, this rank "
+        f"orthogonalising {len(mine)}; {len(cut) - len(dealt)} cut twice, gathered on every rank): "
+        f"{received / 2**20:.2f} MiB received by this rank"
         if cut
         else "no matrix is cut: Newton–Schulz where each lies"
     )
+
+    def held(params, states: int) -> str:  # the optimizer state this rank holds for them
+        mib = sum(states * local(p).numel() * p.element_size() for p in params) / 2**20
+        return f"{sum(p.numel() for p in params):,} values, state {mib:.2f} MiB on this rank"
+
     return (
-        f"optimizer: Muon for {len(muon)} matrices ({sum(p.numel() for p in muon):,} values), AdamW for "
-        f"{len(rest)} tensors ({sum(p.numel() for p in rest):,} values: embeddings, output head, norms, "
-        f"biases); {whole}"
+        f"optimizer: Muon for {len(muon)} matrices ({held(muon, 1)}: the momentum), AdamW for {len(rest)} "
+        f"tensors ({held(rest, 2)}: embeddings, output head, norms, biases); {whole}"
     )
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def muon_numel(model: nn.Module) -> int:
