@@ -41,6 +41,8 @@ LAYOUTS = {
         ["--batch_size", "16"],
         {"dp_shard": 2},
     ),
+    # 3 ranks: 64 rows cut 22, 22, 20 (torch.chunk's rule), the owner's result cut the same way
+    "fsdp_uneven": ("train_fsdp.py", 3, ["--batch_size", "4"], ["--batch_size", "12"], {"dp_shard": 3}),
     "tp_sequence_parallel": (
         "train_tp.py",
         2,
@@ -124,8 +126,8 @@ def test_a_model_without_matrices_is_refused():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_one_process(name, shared_run, reference):
-    """Same losses (within 1e-5) and evaluation as one process with Muon; the start line says which
-    parameters Muon took and what making the cut matrices whole receives."""
+    """Same losses (within 1e-5) and evaluation as one process with Muon: a cut matrix made whole (dealt
+    round-robin, or gathered everywhere where two mesh dimensions cut it) is orthogonalised as one."""
     shared_run.in_turn(RUNS)
     script, nproc, flags, ref_flags, degrees = LAYOUTS[name]
     out = shared_run(script, nproc, *MUON, *flags)
