@@ -30,6 +30,7 @@ pytestmark = pytest.mark.xdist_group("muon")
 
 MUON = ["--optimizer", "muon", "--max_steps", "10", "--addition_digits", "4", "--eval_every", "10"]
 MOE = ["--n_experts", "4", "--top_k", "2"]
+LLAMA = ["--model_config", "llama"]
 STEPS = list(range(1, 11))
 # name: (script, processes, flags beside MUON, the one-process run's flags beside MUON, layout degrees)
 LAYOUTS = {
@@ -68,6 +69,9 @@ LAYOUTS = {
         ["--n_layer", "4", "--batch_size", "16"],
         {"pp": 2, "tp": 2},
     ),
+    # a 🤗 Llama (transformers' config, small defaults): its head found by get_output_embeddings()
+    "llama_fsdp": ("train_fsdp.py", 2, ["--batch_size", "8", *LLAMA], ["--batch_size", "16", *LLAMA], {"dp_shard": 2}),
+    "llama_tp": ("train_tp.py", 2, ["--batch_size", "16", *LLAMA], ["--batch_size", "16", *LLAMA], {"tp": 2}),
 }
 RUNS = [(script, nproc, *MUON, *flags) for script, nproc, flags, _, _ in LAYOUTS.values()]
 
