@@ -35,6 +35,14 @@ STEPS = list(range(1, 11))
 # name: (script, processes, flags beside MUON, the one-process run's flags beside MUON, layout degrees)
 LAYOUTS = {
     "ddp": ("train_ddp.py", 2, ["--batch_size", "8"], ["--batch_size", "16"], {}),  # no layout record: world_size
+    "ddp_accumulation": (
+        "train_ddp.py",
+        2,
+        ["--batch_size", "4", "--gradient_accumulation_steps", "2"],
+        ["--batch_size", "16"],
+        {},
+    ),
+    "ddp_3": ("train_ddp.py", 3, ["--batch_size", "4"], ["--batch_size", "12"], {}),
     "fsdp_accumulation": (
         "train_fsdp.py",
         2,
