@@ -2,12 +2,12 @@
 matrices, AdamW for the rest (embeddings, the output head, norms, biases), in one optimizer.
 
 Exact on every layout. Newton–Schulz needs the WHOLE matrix, and under FSDP2 and TP a rank holds a
-slice of it (a DTensor). Each step, a cut matrix's update is gathered whole on every rank (an
-all-gather: `full_tensor`), orthogonalised there (every rank computes the same bits), and each rank
-keeps its own slice (`distribute_tensor(..., src_data_rank=None)`: no communication). A stack of
+slice of it (a DTensor). A matrix cut along one mesh dimension has an owner, dealt round-robin over the
+ranks that cut it: each step its slices are gathered on the owner, orthogonalised once there, and cut
+and scattered back, so the Newton–Schulz work is split, not repeated. A matrix cut along two (FSDP
+beside TP) is gathered whole on every rank (`full_tensor`), orthogonalised there (the same bits on
+every rank), and each rank keeps its slice (`distribute_tensor(..., src_data_rank=None)`). A stack of
 matrices cut only along the stack (an expert-parallel rank's experts) is orthogonalised where it lies.
-This is the simpler of the two ways: every rank repeats the Newton–Schulz work. The other (each matrix
-gathered on one owner, round-robin over the ranks, and its slices sent back) splits the work.
 
 Conventions: a matrix's step is 0.2·sqrt(max(A, B)) x --learning_rate (Moonlight's, torch.optim.Muon's
 adjust_lr_fn="match_rms_adamw"): its update's RMS is then AdamW's, so one --learning_rate serves both
