@@ -149,8 +149,9 @@ def main():
     )
     feed.seed_dropout(args.seed)  # dropout: each rank its own masks, a resume the same ones
     monitor = RunMonitor(accelerator, args, "train_ddp", feed, dp_size, global_batch_size)
-    allreduce_mib = ring_allreduce_bytes(4 * n_params, dp_size) / 2**20  # fp32 gradients
-    ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_params / 2**20:.1f} MiB"
+    n_grads = sum(p.numel() for p in model.parameters() if p.requires_grad)  # LoRA: the adapters'
+    allreduce_mib = ring_allreduce_bytes(4 * n_grads, dp_size) / 2**20  # fp32 gradients
+    ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_grads / 2**20:.1f} MiB"
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # what differs from 1 process
     lines = [f"{ddp_line} = {allreduce_mib:.1f} MiB", bn_line, cut_line]
     monitor.start(task, model_line, n_params, data, lines, resume_path)

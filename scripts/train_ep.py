@@ -88,7 +88,7 @@ def shard_experts(name, module, ep_mesh) -> None:
     """EP: rank r of the ep group keeps experts [r·E/ep, (r+1)·E/ep): a DTensor Shard(0), so every
     checkpoint holds the full (E, ...) tensors under their full names and can resume on any ep."""
     for param_name, param in list(module.named_parameters(recurse=False)):
-        sharded = torch.nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))  # EP: cut
+        sharded = torch.nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]), param.requires_grad)  # EP: cut
         module.register_parameter(param_name, sharded)
 
 

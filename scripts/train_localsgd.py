@@ -86,10 +86,11 @@ def split_fragments(model, units: list, n_fragments: int) -> list[list[torch.nn.
     """Streaming DiLoCo's fragments: the blocks cut into n_fragments runs. The parameters outside
     the blocks join the nearest end: embeddings the first fragment, final norm and head the last."""
     bounds = [round(f * len(units) / n_fragments) for f in range(n_fragments + 1)]
-    fragments = [[p for u in units[a:b] for p in u.parameters()] for a, b in zip(bounds, bounds[1:])]
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters (the base stays as it is)
+    fragments = [[p for u in units[a:b] for p in u.parameters() if p.requires_grad] for a, b in zip(bounds, bounds[1:])]
     in_units = {id(p) for fragment in fragments for p in fragment}
     before, after, seen_units = [], [], False
-    for p in model.parameters():
+    for p in trained:
         if id(p) in in_units:
             seen_units = True
         else:

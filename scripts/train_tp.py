@@ -139,7 +139,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict) -> None:
     mesh) and adds the f/g collectives as hooks. `plan`: {module name: style}, the MODEL section's
     (model_tp_plan), checked with check_tp_plan first."""
     check_tp_keeps_ties(model, plan)  # a tied weight cut trains untied
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base
+    if frozen:  # LoRA: each adapter cut to follow its layer (common/lora.py)
+        from common.lora import lora_tp_plan
+
+        plan = lora_tp_plan(model, plan)
     parallelize_module(model, tp_mesh, plan)
+    for name, p in model.named_parameters():  # SequenceParallel makes its weights anew, all trainable
+        p.requires_grad_(name not in frozen)
 
 
 def tp_forward_backward(

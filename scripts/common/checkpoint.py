@@ -299,7 +299,16 @@ def export_model(accelerator, model, task, data_source: dict, model_dir, layout=
         parts = [None] * layout.world_size if accelerator.is_main_process else None
         torch.distributed.gather_object(part, parts, dst=0)
         full_sd = {k: v for p in parts for k, v in p.items()} if accelerator.is_main_process else {}
-    failed = _write_model(task, full_sd, Path(model_dir), data_source) if accelerator.is_main_process else None
+    failed = None
+    if accelerator.is_main_process and getattr(task, "lora", None):  # LoRA: the adapter as PEFT saves it
+        from .lora import export_lora
+
+        try:
+            export_lora(task, full_sd, Path(model_dir).parent, data_source, _write_or_raise)
+        except UsageError as e:
+            failed = str(e)
+    elif accelerator.is_main_process:
+        failed = _write_model(task, full_sd, Path(model_dir), data_source)
     failed = gather_object([failed])[0]  # every rank learns the main process's outcome (and waits for it)
     if failed:
         raise UsageError(failed)
@@ -329,6 +338,12 @@ def _write_model(task, full_sd: dict, model_dir: Path, data_source: dict) -> str
         from .checkpoint_save import export_failed_line  # only a failed export explains itself
 
         return export_failed_line(e, model_dir, full_sd)
+
+
+def _write_or_raise(task, full_sd: dict, model_dir: Path, data_source: dict) -> None:
+    failed = _write_model(task, full_sd, model_dir, data_source)
+    if failed:
+        raise UsageError(failed)
 
 
 def record_task(task, model_dir) -> None:

@@ -31,6 +31,13 @@ EXTRA_STATE_FILE = "extra_state.pt"  # a strategy's own state (save_checkpoint(e
 # not by position in a param group: pipeline stages hold different parameters in "the same"
 # groups, and another layout must find each parameter's state by its name.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# LoRA: a checkpoint holds the adapters and their optimizer state; the frozen base comes from its source again
+ADAPTERS_ONLY = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
+
+def options_for(model) -> StateDictOptions:
+    """What a checkpoint of this model holds: every parameter, or under LoRA the adapters only."""
+    return ADAPTERS_ONLY if any(".lora_A." in n for n, _ in model.named_parameters()) else OPTIONS
 
 
 def state_digest(state: dict) -> str:
@@ -221,7 +228,8 @@ def restore(accelerator, path: Path, model, optimizer, scheduler, replicas: bool
     """Collective: model, optimizer, scheduler and RNG restored in place from `path`; returns its trainer
     state. `replicas`: a checkpoint of Local SGD replicas gives each rank its own (load_checkpoint)."""
     state = json.loads((path / STATE_FILE).read_text())
-    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=OPTIONS)
+    options = options_for(model)
+    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=options)
     to_load = {"model": model_sd, "optim": optim_sd}
     per_rank = state.get("per_rank_state", False)
     saved_rank = accelerator.process_index % state.get("world_size", accelerator.num_processes)  # elastic: r mod N
@@ -242,7 +250,7 @@ def restore(accelerator, path: Path, model, optimizer, scheduler, replicas: bool
         ) from None
     model_sd, optim_sd = to_load["model"], to_load["optim"]  # what DCP loaded (it may replace non-tensor values)
     set_state_dict(
-        model, _unwrap_optimizer(optimizer), model_state_dict=model_sd, optim_state_dict=optim_sd, options=OPTIONS
+        model, _unwrap_optimizer(optimizer), model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
     )
     scheduler.load_state_dict(_load_small_file(path, "scheduler.pt", weights_only=False))
     # Another layout may group the parameters differently (one optimizer group per kind of

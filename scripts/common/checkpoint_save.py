@@ -27,7 +27,6 @@ from .batchnorm import average_running_stats
 from .checkpoint import _checkpoints_dir, list_checkpoints
 from .checkpoint_resume import (
     EXTRA_STATE_FILE,
-    OPTIONS,
     STATE_DIGEST_KEY,
     STATE_FILE,
     _each_rank_alone,
@@ -35,6 +34,7 @@ from .checkpoint_resume import (
     _set_rng_state,
     _unwrap_optimizer,
     check_checkpoint_files,
+    options_for,
     read_checkpoint_state,
     record_checkpoint_files,
     restore,
@@ -69,7 +69,7 @@ def write_checkpoint(accelerator, tmp: Path, trainer_state: dict, saved: tuple, 
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
             (tmp / "rng").mkdir(parents=True)
     _all_written(accelerator, failed, tmp, failed_line)
-    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=OPTIONS)
+    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=options_for(model))
     state_dir = tmp / "state" / f"rank_{accelerator.process_index}" if per_rank_state else tmp / "state"
     with _noting_write_failure(tmp, any_error) as failed:
         with _each_rank_alone(per_rank_state):

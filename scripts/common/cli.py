@@ -59,6 +59,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     a("--resume_from_checkpoint", help="latest | auto (latest if any, else step 0: restarts) | a checkpoint folder")
     a("--report_to", default="none", help="Accelerate trackers: none | tensorboard | wandb | all ...")
     a("--peak_flops", type=float, help="the device's peak FLOP/s, for MFU (default: known GPUs only)")
+    a = p.add_argument_group("LoRA adapters (docs/lora.md)").add_argument  # common/lora.py, only when asked
+    a("--lora_r", type=int, help="train LoRA adapters of this rank beside the frozen model (default: every weight)")
+    a("--lora_alpha", type=float, default=16.0, help="--lora_r: the adapters' update is scaled by alpha / r")
+    a("--lora_dropout", type=float, default=0.0, help="--lora_r: dropout on the adapters' input")
+    targets = "comma-separated names of the linear layers to adapt (default: the attention and MLP projections)"
+    a("--lora_target_modules", help=f"--lora_r: {targets}")
+    merge = "--lora_r: also write the merged model (base + B·A) to OUTPUT_DIR/model"
+    a("--merge_lora", action="store_true", help=merge)
     return p
 
 
@@ -84,12 +92,27 @@ def check_core_args(args) -> None:
             f"--ns_steps must be at least 1 (got {args.ns_steps}) and --muon_momentum in [0, 1) "
             f"(got {args.muon_momentum})"
         )
+    check_lora_args(args)
     if args.output_dir and os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output_dir {args.output_dir} is a file, not a folder: give a folder for the run's outputs")
     if hasattr(args, "model_size"):  # the script added the built-in models' and data's flags
         from .builtin_flags import check_builtin_flags
 
         check_builtin_flags(args)
+
+
+def check_lora_args(args) -> None:
+    if args.lora_r is None:
+        given = [f"--{f}" for f in ("lora_target_modules", "merge_lora") if getattr(args, f)]
+        if given:
+            raise UsageError(f"{given[0]} needs --lora_r: give the adapters' rank, e.g. --lora_r 8")
+    elif args.lora_r < 1:
+        raise UsageError(f"--lora_r must be at least 1 (got {args.lora_r}); leave it out to train every weight")
+    elif args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
+        raise UsageError(
+            f"--lora_alpha must be positive (got {args.lora_alpha}) and --lora_dropout in [0, 1) "
+            f"(got {args.lora_dropout})"
+        )
 
 
 def batch_of_step(args, dp_size: int) -> tuple[int, int]:

@@ -189,10 +189,18 @@ def check_cut(accelerator, model, step_fn, reference, task, validation, grad_acc
             if name in cut_grads:
                 diff, rel = _gap(cut_grads[name], ref)
                 worst, gaps = max(worst, diff), gaps + [rel if diff > 1e-7 else 0.0]
-        parted = torch.tensor(float(max(gaps) > rtol), device=device)
+        # a strategy that made a parameter anew may have made a frozen one train (LoRA's base, frozen experts)
+        frozen = {n for n, p in reference.named_parameters() if not p.requires_grad}
+        thawed = sorted(n for n in cut_grads if n in frozen)
+        parted = torch.tensor([float(max(gaps) > rtol), float(bool(thawed))], device=device)
         if dist.is_initialized():
             dist.all_reduce(parted, op=dist.ReduceOp.MAX)
-        if parted.item():  # every rank: one more probe step, each module's output against the uncut one's
+        if parted[1].item():
+            raise UsageError(
+                f"{strategy}: the cut model trains what the model freezes ({', '.join(thawed[:3]) or 'on a peer'}): "
+                "the strategy made a parameter anew without its requires_grad; keep requires_grad=param.requires_grad"
+            )
+        if parted[0].item():  # every rank: one more probe step, each module's output against the uncut one's
             from .cut_parting import first_parting  # only a cut that parts from the model looks for where
 
             first = first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum)

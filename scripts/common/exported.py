@@ -177,6 +177,14 @@ def load_exported(model_dir, task_spec: tuple[str, str] | None = None):
     from .presets import GPTConfig
 
     model_dir = Path(model_dir)
+    if (model_dir / "adapter_config.json").is_file():  # a LoRA adapter (PEFT's files): its base, merged with it
+        from .lora import load_adapter
+
+        return load_adapter(model_dir, lambda base: load_exported(base, task_spec))
+    if (model_dir / "adapter_config.json").is_file():  # a LoRA adapter (PEFT's files): its base, merged with it
+        from .lora import load_adapter
+
+        return load_adapter(model_dir, lambda base: load_exported(base, task_spec))
     try:
         config = json.loads((model_dir / "config.json").read_text())
         data_source = json.loads((model_dir / "data.json").read_text()) if (model_dir / "data.json").exists() else {}

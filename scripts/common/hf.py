@@ -683,7 +683,8 @@ def is_tied(model: nn.Module) -> bool:
 def untie_embeddings(model: nn.Module) -> None:
     """Give lm_head a weight of its own, a copy of the embedding's (trained apart from then on)."""
     if is_tied(model):
-        model.lm_head.weight = nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+        emb = model.get_input_embeddings().weight
+        model.lm_head.weight = nn.Parameter(emb.detach().clone(), requires_grad=emb.requires_grad)
     model.config.tie_word_embeddings = False
 
 

@@ -190,7 +190,9 @@ def hf_tp_plan(model: nn.Module, units_path: str, layout: Layout, sequence_paral
                 f"to a torch ParallelStyle (it maps {mapped}, replicate): train it with train_fsdp.py"
             )
         kind = nn.Linear if style.startswith(("colwise", "rowwise")) else None
-        odd = [n for n in names if kind is not None and not isinstance(modules[n], kind)]
+        odd = [
+            n for n in names if kind is not None and not isinstance(getattr(modules[n], "base_layer", modules[n]), kind)
+        ]  # LoRA: its base
         if odd:
             raise UsageError(
                 f"--tp_size: {family}'s TP plan puts {odd[0]} ({type(modules[odd[0]]).__name__}) on style "

@@ -134,6 +134,10 @@ class RunMonitor:
             f"x {args.gradient_accumulation_steps} accumulation = {self.global_batch_size} samples",
             *(f"  {line}" for line in strategy_lines if line),  # None: a line that does not apply
         ]
+        if getattr(task, "lora", None):  # LoRA: what trains, and what it holds on this rank
+            from .lora import lora_line
+
+            lines.append(f"  {lora_line(task.lora['model'], args.optimizer)}")
         if resume_path:
             lines.append(f"  resuming from {resume_path} at step {self.start_step}")
         acc.print("\n".join(lines))  # Accelerate: prints on the main process only
@@ -230,7 +234,10 @@ class RunMonitor:
         summary |= {"time_s": self.clock()["elapsed_s"], **self.throughput.summary(self.world_size)}
         summary |= {"global_batch_size": self.global_batch_size, "world_size": self.world_size, **figures}
         self.metrics.write(summary)
-        if step == self.args.max_steps:
+        if step == self.args.max_steps and getattr(self.args, "lora_r", 0):
+            merged = f", the merged model to {Path(self.args.output_dir) / 'model'}" if self.args.merge_lora else ""
+            saved = f"adapter saved to {Path(self.args.output_dir) / 'adapter'}{merged}"
+        elif step == self.args.max_steps:
             saved = f"model saved to {Path(self.args.output_dir) / 'model'}"
         elif preempted:
             saved = f"preempted at step {step}: resume with --resume_from_checkpoint auto"

@@ -64,6 +64,14 @@ def language_model(args, data, on_meta: bool = False) -> tuple[nn.Module, Causal
     (--model_name_or_path, --model_config), and its Task. Seed first: every rank builds the same
     full model before any strategy cuts it. `on_meta`: a 🤗 model comes on the meta device, its weights
     made after the strategy has cut it (common/hf.py materialize_hf); the GPT is built whole."""
+    if getattr(args, "lora_r", 0):  # LoRA: the base made whole, frozen, and the adapters beside it
+        from .lora import apply_lora
+
+        return apply_lora(*_language_model(args, data, on_meta=False), args)
+    return _language_model(args, data, on_meta)
+
+
+def _language_model(args, data, on_meta: bool) -> tuple[nn.Module, CausalLMTask]:
     if getattr(args, "model_name_or_path", None) or getattr(args, "model_config", None):
         from .hf import load_hf_model  # only a 🤗 model needs the 🤗 code
 

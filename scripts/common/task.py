@@ -318,7 +318,12 @@ def trial_export(task: Task, model: nn.Module) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # the main process writes
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                task.export(state, Path(tmp) / "model", {})
+                if getattr(task, "lora", None):  # LoRA: the adapter, and the base or merged model
+                    from .lora import export_lora
+
+                    export_lora(task, state, Path(tmp), {}, lambda t, sd, folder, _: t.export(sd, folder, {}))
+                else:
+                    task.export(state, Path(tmp) / "model", {})
         except Exception as e:
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     error = next((e for e in gather_object([error]) if e), None)  # every rank stops, not the main one alone

@@ -55,7 +55,7 @@ def make_optimizer(model, args) -> torch.optim.Optimizer:
     (plain, or a DTensor's mesh and placements) gets its own group, so the multi-tensor kernels run:
     AdamW's fused one, else `foreach` (docs/troubleshooting.md, "Slow or failing optimizer with DTensor
     parameters")."""
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     groups: dict[tuple, list] = {}
     for p in params:
         kind = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
