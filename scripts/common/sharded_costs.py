@@ -96,14 +96,15 @@ def sharded_start_line(
     """What each rank holds, printed at start beside DDP's figure; with gradient accumulation, how its
     gradients are kept through the window. Collective (a gather)."""
     param_bytes = gather_max(accelerator, local_bytes(model.parameters()))
+    trained_bytes = gather_max(accelerator, local_bytes(p for p in model.parameters() if p.requires_grad))  # LoRA
     share = muon_share(model, optimizer_name)
-    # parameters, gradients (+ two Adam moments; Muon: one for its share), fp32
-    per_state = {"adamw": 4, "muon": 4 - share}.get(optimizer_name, 2)
+    # gradients (+ two Adam moments; Muon: one for its share), fp32, of what trains
+    per_state = {"adamw": 3, "muon": 3 - share}.get(optimizer_name, 1)
     ddp_bytes = ddp_state_bytes(n_params, optimizer_name, share)["total_bytes"]
     line = (
         f"parameters per rank (largest): {param_bytes / 2**20:.2f} MiB "
         f"of the unsharded {4 * n_params / 2**20:.2f} MiB; "
-        f"with gradients and optimizer state ~{per_state * param_bytes / 2**20:.2f} MiB "
+        f"with gradients and optimizer state ~{(param_bytes + per_state * trained_bytes) / 2**20:.2f} MiB "
         f"(DDP: {ddp_bytes / 2**20:.2f} MiB, ideal split over {layout.model_split}: "
         f"{ddp_bytes / layout.model_split / 2**20:.2f} MiB)"
     )
