@@ -49,6 +49,13 @@ def apply_lora(model: nn.Module, task, args) -> tuple[nn.Module, object]:
         raise UsageError("--lora_r: the model was built on the meta device; LoRA needs its weights (internal)")
     if args.lora_target_modules:
         targets = [t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        heads = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if head is not None and m is head}
+        if heads & set(targets):  # the head stays whole under TP's loss parallel and in Muon's AdamW part
+            raise UsageError(
+                f"--lora_target_modules {args.lora_target_modules}: the output head takes no adapter here "
+                f"({', '.join(sorted(heads & set(targets)))}); name the hidden layers only"
+            )
         known = _linear_names(model)
         unknown = [t for t in targets if t not in known]
         if unknown or not targets:
@@ -56,9 +63,6 @@ def apply_lora(model: nn.Module, task, args) -> tuple[nn.Module, object]:
                 f"--lora_target_modules {args.lora_target_modules}: {', '.join(unknown) or 'no name'} names no "
                 f"linear layer of this model (its linear layers: {', '.join(known) or 'none'})"
             )
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if head is not None and any(n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules() if m is head):
-            raise UsageError("--lora_target_modules: the output head takes no adapter here; name hidden layers only")
     else:
         targets = default_targets(model)
     config = LoraConfig(
@@ -70,6 +74,7 @@ def apply_lora(model: nn.Module, task, args) -> tuple[nn.Module, object]:
     base = getattr(args, "model_name_or_path", None)
     # the model itself: a strategy cuts it in place (its start line counts what this rank then holds)
     task.lora = {"config": config, "base": base, "merge": args.merge_lora, "targets": targets, "model": model}
+    task.lora["export"] = export_lora  # the trial export before step 1 calls it through the task
     return model, task
 
 
@@ -194,7 +199,7 @@ def lora_tp_plan(model: nn.Module, plan: dict) -> dict:
         if not adapted:
             spread[key] = style
             continue
-        out, local = style.output_layouts[0], style.use_local_output
+        out, local = getattr(style, "output_layouts", (None,))[0], getattr(style, "use_local_output", None)
         spread[f"{key}.base_layer"] = style
         if type(style) is ColwiseParallel:
             whole_input = PrepareModuleInput(

@@ -318,10 +318,8 @@ def trial_export(task: Task, model: nn.Module) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # the main process writes
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                if getattr(task, "lora", None):  # LoRA: the adapter, and the base or merged model
-                    from .lora import export_lora
-
-                    export_lora(task, state, Path(tmp), {}, lambda t, sd, folder, _: t.export(sd, folder, {}))
+                if getattr(task, "lora", None):  # LoRA: the adapter, and the base or merged model (lora.py)
+                    task.lora["export"](task, state, Path(tmp), {}, lambda t, sd, folder, _: t.export(sd, folder, {}))
                 else:
                     task.export(state, Path(tmp) / "model", {})
         except Exception as e:
