@@ -304,7 +304,7 @@ def export_model(accelerator, model, task, data_source: dict, model_dir, layout=
         from .lora import export_lora
 
         try:
-            export_lora(task, full_sd, Path(model_dir).parent, data_source, _write_or_raise)
+            export_lora(task, full_sd, Path(model_dir).parent, data_source, _write_model)
         except UsageError as e:
             failed = str(e)
     elif accelerator.is_main_process:
@@ -338,12 +338,6 @@ def _write_model(task, full_sd: dict, model_dir: Path, data_source: dict) -> str
         from .checkpoint_save import export_failed_line  # only a failed export explains itself
 
         return export_failed_line(e, model_dir, full_sd)
-
-
-def _write_or_raise(task, full_sd: dict, model_dir: Path, data_source: dict) -> None:
-    failed = _write_model(task, full_sd, model_dir, data_source)
-    if failed:
-        raise UsageError(failed)
 
 
 def record_task(task, model_dir) -> None:

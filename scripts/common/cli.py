@@ -92,27 +92,16 @@ def check_core_args(args) -> None:
             f"--ns_steps must be at least 1 (got {args.ns_steps}) and --muon_momentum in [0, 1) "
             f"(got {args.muon_momentum})"
         )
-    check_lora_args(args)
+    if args.lora_r is not None or args.lora_target_modules or args.merge_lora:
+        from .lora import check_lora_args  # only a run that names LoRA
+
+        check_lora_args(args)
     if args.output_dir and os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output_dir {args.output_dir} is a file, not a folder: give a folder for the run's outputs")
     if hasattr(args, "model_size"):  # the script added the built-in models' and data's flags
         from .builtin_flags import check_builtin_flags
 
         check_builtin_flags(args)
-
-
-def check_lora_args(args) -> None:
-    if args.lora_r is None:
-        given = [f"--{f}" for f in ("lora_target_modules", "merge_lora") if getattr(args, f)]
-        if given:
-            raise UsageError(f"{given[0]} needs --lora_r: give the adapters' rank, e.g. --lora_r 8")
-    elif args.lora_r < 1:
-        raise UsageError(f"--lora_r must be at least 1 (got {args.lora_r}); leave it out to train every weight")
-    elif args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
-        raise UsageError(
-            f"--lora_alpha must be positive (got {args.lora_alpha}) and --lora_dropout in [0, 1) "
-            f"(got {args.lora_dropout})"
-        )
 
 
 def batch_of_step(args, dp_size: int) -> tuple[int, int]:

@@ -21,6 +21,21 @@ ADAPTER = "default"  # PEFT's name for the one adapter a run trains
 BUILTIN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")  # the built-in GPT's
 
 
+def check_lora_args(args) -> None:
+    """The LoRA flags, before any process group exists."""
+    if args.lora_r is None:
+        given = [f"--{f}" for f in ("lora_target_modules", "merge_lora") if getattr(args, f)]
+        if given:
+            raise UsageError(f"{given[0]} needs --lora_r: give the adapters' rank, e.g. --lora_r 8")
+    elif args.lora_r < 1:
+        raise UsageError(f"--lora_r must be at least 1 (got {args.lora_r}); leave it out to train every weight")
+    elif args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
+        raise UsageError(
+            f"--lora_alpha must be positive (got {args.lora_alpha}) and --lora_dropout in [0, 1) "
+            f"(got {args.lora_dropout})"
+        )
+
+
 def _linear_names(model: nn.Module) -> list[str]:
     """The last name part of every nn.Linear except the output head, in order, once each."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -74,7 +89,7 @@ def apply_lora(model: nn.Module, task, args) -> tuple[nn.Module, object]:
     base = getattr(args, "model_name_or_path", None)
     # the model itself: a strategy cuts it in place (its start line counts what this rank then holds)
     task.lora = {"config": config, "base": base, "merge": args.merge_lora, "targets": targets, "model": model}
-    task.lora["export"] = export_lora  # the trial export before step 1 calls it through the task
+    task.lora.update(export=export_lora, line=lora_line)  # the trial export and the start line call them
     return model, task
 
 
@@ -143,12 +158,19 @@ def write_adapter(full_sd: dict, lora: dict, folder: Path, base_path: str) -> No
 def export_lora(task, full_sd: dict, output_dir: Path, data_source: dict, write_model) -> None:
     """Main process, under LoRA: OUTPUT/adapter (PEFT's files); OUTPUT/base, the frozen base the task's way,
     when it has no folder of its own (the built-in GPT, --model_config); OUTPUT/model, the merged model, with
-    --merge_lora. `write_model(task, state_dict, folder, data_source)` writes a model folder whole."""
+    --merge_lora. `write_model(task, state_dict, folder, data_source)` writes a model folder whole (returns
+    None, or the line saying why it could not)."""
+
+    def write(state_dict: dict, folder: Path) -> None:
+        failed = write_model(task, state_dict, folder, data_source)
+        if failed:
+            raise UsageError(failed)
+
     lora = task.lora
     base = lora["base"]
     if base is None or not Path(base).is_dir() and not _looks_like_hub_name(base):
         base = str((output_dir / "base").resolve())
-        write_model(task, base_state_dict(full_sd), output_dir / "base", data_source)
+        write(base_state_dict(full_sd), output_dir / "base")
     elif Path(base).is_dir():
         base = str(Path(base).resolve())
     tmp = output_dir / ".export_adapter"
@@ -158,7 +180,7 @@ def export_lora(task, full_sd: dict, output_dir: Path, data_source: dict, write_
     shutil.rmtree(output_dir / "adapter", ignore_errors=True)
     tmp.rename(output_dir / "adapter")
     if lora["merge"]:
-        write_model(task, merged_state_dict(full_sd, lora["config"]), output_dir / "model", data_source)
+        write(merged_state_dict(full_sd, lora["config"]), output_dir / "model")
 
 
 def _looks_like_hub_name(name: str) -> bool:

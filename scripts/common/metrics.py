@@ -134,10 +134,8 @@ class RunMonitor:
             f"x {args.gradient_accumulation_steps} accumulation = {self.global_batch_size} samples",
             *(f"  {line}" for line in strategy_lines if line),  # None: a line that does not apply
         ]
-        if getattr(task, "lora", None):  # LoRA: what trains, and what it holds on this rank
-            from .lora import lora_line
-
-            lines.append(f"  {lora_line(task.lora['model'], args.optimizer)}")
+        if getattr(task, "lora", None):  # LoRA: what trains, and what this rank holds (common/lora.py)
+            lines.append(f"  {task.lora['line'](task.lora['model'], args.optimizer)}")
         if resume_path:
             lines.append(f"  resuming from {resume_path} at step {self.start_step}")
         acc.print("\n".join(lines))  # Accelerate: prints on the main process only

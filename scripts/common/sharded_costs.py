@@ -10,17 +10,24 @@ from torch.distributed.tensor import DTensor
 from .costs import peak_memory_mb
 
 
-def ddp_state_bytes(n_params: int, optimizer_name: str, muon_share: float = 0.0) -> dict:
+def ddp_state_bytes(n_params: int, optimizer_name: str, muon_share: float = 0.0, n_trained: int | None = None) -> dict:
     """What DDP holds on every rank in fp32: parameters, gradients, and for AdamW two moments
     (plus a 4-byte step count per tensor, ignored here); Muon keeps one (its momentum) for the
-    `muon_share` of the values it takes, AdamW's two for the rest."""
-    optim = {"adamw": 8 * n_params, "muon": round(n_params * (8 - 4 * muon_share))}.get(optimizer_name, 0)
+    `muon_share` of the model's values it takes, AdamW's two for the rest. Gradients and state exist
+    for the `n_trained` values that train (default: all; LoRA: the adapters)."""
+    n_trained = n_params if n_trained is None else n_trained
+    optim = {"adamw": 8 * n_trained, "muon": round(8 * n_trained - 4 * muon_share * n_params)}.get(optimizer_name, 0)
     return {
         "param_bytes": 4 * n_params,
-        "grad_bytes": 4 * n_params,
+        "grad_bytes": 4 * n_trained,
         "optimizer_bytes": optim,
-        "total_bytes": 8 * n_params + optim,
+        "total_bytes": 4 * n_params + 4 * n_trained + optim,
     }
+
+
+def trained_numel(model) -> int:
+    """Values that train, counted whole (a DTensor's global size): every one, or under LoRA the adapters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def muon_share(model, optimizer_name: str) -> float:
@@ -100,7 +107,7 @@ def sharded_start_line(
     share = muon_share(model, optimizer_name)
     # gradients (+ two Adam moments; Muon: one for its share), fp32, of what trains
     per_state = {"adamw": 3, "muon": 3 - share}.get(optimizer_name, 1)
-    ddp_bytes = ddp_state_bytes(n_params, optimizer_name, share)["total_bytes"]
+    ddp_bytes = ddp_state_bytes(n_params, optimizer_name, share, trained_numel(model))["total_bytes"]
     line = (
         f"parameters per rank (largest): {param_bytes / 2**20:.2f} MiB "
         f"of the unsharded {4 * n_params / 2**20:.2f} MiB; "
@@ -137,7 +144,7 @@ def sharded_summary(
         k: gather_max(accelerator, state_bytes.get(k, 0))
         for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
     }
-    ddp = ddp_state_bytes(n_params, optimizer_name, muon_share(model, optimizer_name))
+    ddp = ddp_state_bytes(n_params, optimizer_name, muon_share(model, optimizer_name), trained_numel(model))
     ideal = ddp["total_bytes"] / layout.model_split  # DDP's bytes over every different piece
     return {
         "n_params": n_params,
