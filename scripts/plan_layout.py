@@ -6,7 +6,9 @@ one you give) is costed the way the training scripts build it, without starting 
 
     per rank:  parameters + gradients + AdamW state    the shapes each rank holds after TP, PP and
                                                        FSDP cut the model (the same bytes as the
-                                                       runs' state_bytes_per_rank_max)
+                                                       runs' state_bytes_per_rank_max); --lora_r:
+                                                       the frozen model's weights, and gradients
+                                                       and AdamW state of the LoRA adapters only
              + activations                             what autograd keeps per micro-batch, times the
                                                        micro-batches the schedule holds in flight
              + gathered weights and gradients          FSDP's unsharded copies while a block computes
@@ -79,10 +81,13 @@ PREFLIGHT_FORMAT = "preflight/1"
 
 
 # ======================================== what each rank holds
-def model_parameters(cfg: GPTConfig) -> tuple[list[dict], int]:
+def model_parameters(
+    cfg: GPTConfig, lora_r: int | None = None, lora_targets: str | None = None
+) -> tuple[list[dict], int]:
     """Name, shape and TP placement of every parameter, read from the real model built on the meta
     device (no memory) and the cuts of train_tp.py's plan (common/tp_costs.py's GPT_TP_CUTS, which a test
-    holds to the plan). `tp_dim`: the dimension TP splits (None: replicated on every TP rank)."""
+    holds to the plan). `tp_dim`: the dimension TP splits (None: replicated on every TP rank). With
+    `lora_r`: the model frozen and LoRA's adapters beside it (lora_parameters)."""
     with torch.device("meta"):
         model = GPT(cfg)
     params = []
@@ -106,7 +111,73 @@ def model_parameters(cfg: GPTConfig) -> tuple[list[dict], int]:
                     "end": end,
                 }
             )
+    if lora_r:
+        return lora_parameters(model, params, lora_r, lora_targets)
     return params, count_parameters(model)
+
+
+def lora_parameters(model: nn.Module, params: list[dict], r: int, spec: str | None) -> tuple[list[dict], int]:
+    """LoRA (--lora_r), as common/lora.py's apply_lora and lora_tp_plan build it, on the meta model's shapes:
+    the model's own parameters frozen (`trains` False: weights only, no gradient, no optimizer state), and
+    beside each targeted nn.Linear (--lora_target_modules, else every *proj; never the output head) its two
+    adapters in nn.Linear's weight layout, trained: A (r, in) and B (out, r). TP cuts them to follow their
+    layer: beside a column-wise one A whole and B's rows (its outputs, as the layer's), beside a row-wise one
+    A's columns (its inputs) and B whole; FSDP shards them like every parameter; PP keeps them in their block.
+    `tp_all_reduce`: the rank-r all-reduce that cut adds per micro-batch, of the row-wise layer's A output in
+    forward (partial sums), of the column-wise layer's B input gradient in backward. `sublayer`: the position,
+    in its block, of the module holding the layer (attention 0, MLP 1): where gradients start to flow.
+    Returns the parameters and their count, adapters included (the runs' n_params)."""
+    from common.lora import default_targets  # the scripts' own default: every *proj
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    known = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linears))
+    if spec is not None:  # the scripts' checks and lines (common/lora.py's apply_lora)
+        targets = [t.strip() for t in spec.split(",") if t.strip()]
+        unknown = [t for t in targets if t not in known]
+        if unknown or not targets:
+            raise UsageError(
+                f"--lora_target_modules {spec}: {', '.join(unknown) or 'no name'} names no linear layer of this "
+                f"model (its linear layers: {', '.join(known) or 'none'})"
+            )
+        head_name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+        if head_name is not None and head_name.rsplit(".", 1)[-1] in targets:
+            raise UsageError("--lora_target_modules: the output head takes no adapter here; name hidden layers only")
+    else:
+        targets = default_targets(model)
+
+    def sublayer(name: str) -> str:  # the module under the block that holds the layer (attn, mlp, self_attn)
+        parts = name.split(".")
+        i = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 2)
+        return ".".join(parts[: i + 2])
+
+    order: dict[str, int] = {}  # each block's sublayers in forward order (the module tree's)
+    for name in linears:
+        block = sublayer(name).rsplit(".", 1)[0]
+        order.setdefault(sublayer(name), sum(s.rsplit(".", 1)[0] == block for s in order))
+    lora, n_adapters = [], 0
+    for p in params:
+        lora.append(p | {"trains": False})
+        module_name, short = p["name"].rsplit(".", 1)
+        if short != "weight" or module_name not in linears or module_name.rsplit(".", 1)[-1] not in targets:
+            continue
+        layer = linears[module_name]
+        cut = {0: "column", 1: "row"}.get(p["tp_dim"])  # of the base's [out, in] weight
+        where = {"block": p["block"], "end": p["end"], "trains": True, "sublayer": order[sublayer(module_name)]}
+        floor = {"tp_floor": p["tp_floor"]} if "tp_floor" in p else {}  # B's rows are the layer's outputs
+        lora.append(
+            {"name": f"{module_name}.lora_A.default.weight", "shape": (r, layer.in_features)}
+            | {"tp_dim": 1 if cut == "row" else None, "tp_all_reduce": "forward" if cut == "row" else None}
+            | where
+        )
+        lora.append(
+            {"name": f"{module_name}.lora_B.default.weight", "shape": (layer.out_features, r)}
+            | {"tp_dim": 0 if cut == "column" else None, "tp_all_reduce": "backward" if cut == "column" else None}
+            | where
+            | floor
+        )
+        n_adapters += r * (layer.in_features + layer.out_features)
+    return lora, count_parameters(model) + n_adapters
 
 
 def split_shape(shape: tuple, tp: int, tp_dim: int | None, floor: int | None = None) -> tuple:
@@ -126,7 +197,11 @@ def fsdp_rows(rows: int, dp_shard: int) -> tuple[int, int]:
 
 class RankState:
     """The parameters one pipeline rank holds (tp rank 0, dp rank 0: the largest shards), grouped
-    into FSDP units: one per block, plus the stage's root (embeddings, final norm, head)."""
+    into FSDP units: one per block, plus the stage's root (embeddings, final norm, head). Each unit counts
+    what it holds and, apart, what of it trains (`trained_*`: all of it, but under LoRA the adapters only).
+    `lora_tp`: under LoRA, the rank-r all-reduces TP adds per micro-batch (`forward`, `backward`, of `r`
+    values a token) and `frozen_sublayers`, the sublayers (two a block) on the first stage before the first
+    adapter and its own, whose input needs no gradient: TP's backward all-reduce there does not run."""
 
     def __init__(self, params: list[dict], layout: Layout, pp_rank: int, stages_per_rank: int, n_layer: int):
         n_stages = layout.pp * stages_per_rank
@@ -136,6 +211,9 @@ class RankState:
         self.has_first, self.has_last = 0 in self.stages, n_stages - 1 in self.stages
         keep_root = ({"first"} if self.has_first else set()) | ({"last"} if self.has_last else set())
         self.units: dict[str, dict] = {}  # unit -> numel held, numel padded (all-gather size), tensors
+        self.lora_tp = {"forward": 0, "backward": 0, "r": 0, "frozen_sublayers": 0}
+        first_layers = layers[0] if self.has_first else []
+        first_adapter = (math.inf, 0)  # (layer, sublayer) of the first adapter on the first stage
         for p in params:
             if p["block"] is not None:
                 if p["block"] not in self.layers:
@@ -148,25 +226,36 @@ class RankState:
             shape = split_shape(p["shape"], layout.tp, p["tp_dim"], p.get("tp_floor"))
             rest = math.prod(shape[1:])
             held, padded = fsdp_rows(shape[0], layout.dp_shard)
-            u = self.units.setdefault(unit, {"held": 0, "padded": 0, "full": 0, "tensors": 0})
-            u["held"] += held * rest
-            u["padded"] += padded * rest
-            u["full"] += math.prod(shape)
-            u["tensors"] += 1
+            u = self.units.setdefault(unit, dict.fromkeys(("held", "padded", "full", "tensors"), 0))
+            for prefix in ("", "trained_") if p.get("trains", True) else ("",):
+                u[f"{prefix}held"] = u.get(f"{prefix}held", 0) + held * rest
+                u[f"{prefix}padded"] = u.get(f"{prefix}padded", 0) + padded * rest
+                u[f"{prefix}full"] = u.get(f"{prefix}full", 0) + math.prod(shape)
+                u[f"{prefix}tensors"] = u.get(f"{prefix}tensors", 0) + 1
+            if p.get("tp_all_reduce"):
+                self.lora_tp[p["tp_all_reduce"]] += 1
+                self.lora_tp["r"] = p["shape"][0] if p["tp_all_reduce"] == "forward" else p["shape"][1]
+            if "sublayer" in p and p["block"] in first_layers:
+                first_adapter = min(first_adapter, (first_layers.index(p["block"]), p["sublayer"]))
+        if first_layers and any("sublayer" in p for p in params):  # LoRA: nothing before the first adapter trains
+            layer, sublayer = first_adapter
+            self.lora_tp["frozen_sublayers"] = min(2 * len(first_layers), 2 * layer + sublayer + 1)
 
     def state_bytes(self, optimizer: str) -> dict:
         """fp32 parameters, gradients and (AdamW) two moments plus a 4-byte step count per tensor:
-        the scripts keep fp32 master weights under bf16 too."""
+        the scripts keep fp32 master weights under bf16 too. Gradients and optimizer state: of what trains
+        (LoRA: the adapters; the frozen base counts in the parameters only)."""
         held = sum(u["held"] for u in self.units.values())
-        tensors = sum(u["tensors"] for u in self.units.values())
-        optim = 8 * held + 4 * tensors if optimizer == "adamw" else 0
-        figures = {"param_bytes": 4 * held, "grad_bytes": 4 * held, "optimizer_bytes": optim}
+        trained = sum(u.get("trained_held", 0) for u in self.units.values())
+        tensors = sum(u.get("trained_tensors", 0) for u in self.units.values())
+        optim = 8 * trained + 4 * tensors if optimizer == "adamw" else 0
+        figures = {"param_bytes": 4 * held, "grad_bytes": 4 * trained, "optimizer_bytes": optim}
         figures["total_bytes"] = sum(figures.values())
         return figures
 
-    def full_numel(self) -> int:
-        """This rank's parameters gathered over dp_shard (still split by TP)."""
-        return sum(u["full"] for u in self.units.values())
+    def full_numel(self, trained: bool = False) -> int:
+        """This rank's parameters gathered over dp_shard (still split by TP); `trained`: those that train."""
+        return sum(u.get("trained_full" if trained else "full", 0) for u in self.units.values())
 
 
 # ======================================== a 🤗 model's config (--model_config)
@@ -177,6 +266,7 @@ class RankState:
 COLUMN_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
 ROW_STYLES = ("rowwise", "rowwise_split_input", "packed_rowwise")
 EMBEDDING_STYLES = ("embedding_rowwise",)
+KV_PROJECTIONS = ("k_proj", "v_proj")  # common/hf_tp.py's: copied over the TP ranks where fewer KV heads than tp
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral/gpt-oss, Qwen-MoE, DeepSeek
 
 
@@ -202,7 +292,9 @@ class HFShape:
     - EP: the experts' batched weights (`.experts.` in the name) cut over ep;
     - FSDP: everything, each decoder layer a unit, the rest the root."""
 
-    def __init__(self, spec: str, vocab_size: int, block_size: int | None):
+    def __init__(
+        self, spec: str, vocab_size: int, block_size: int | None, lora_r: int | None = None, lora_targets=None
+    ):
         from transformers import AutoModelForCausalLM
 
         from common.hf import _check_causal_lm, _read_config, _units_path
@@ -236,6 +328,15 @@ class HFShape:
         self.intermediate = config.intermediate_size
         self.moe_layers = sorted({p["block"] for p in self.params if ".experts." in p["name"]})
         self.expert_numel = sum(math.prod(p["shape"]) for p in self.params if ".experts." in p["name"])
+        self.lora_kv = False  # LoRA on k_proj / v_proj: TP cannot copy KV heads (fewer than tp) with adapters
+        if lora_r:
+            if self.n_experts:
+                raise UsageError(
+                    f"--lora_r: --model_config {spec} is a mixture of experts, planned as train_ep.py's layouts, "
+                    "which count no LoRA adapters: plan it without --lora_r"
+                )
+            self.params, self.n_params = lora_parameters(model, self.params, lora_r, lora_targets)
+            self.lora_kv = any(p.get("trains") and p["name"].split(".")[-4] in KV_PROJECTIONS for p in self.params)
 
     def _parameters(self, model: nn.Module, config) -> tuple[list[dict], int]:
         prefix = model.base_model_prefix
@@ -276,7 +377,14 @@ class HFShape:
 
     def check_split(self, tp: int, n_stages: int, stages_per_rank: int) -> None:
         """What the cuts must divide (one line each): TP the query heads, the KV heads (or tp a multiple
-        of them: replicated), the MLP width, the vocabulary; a pipeline a decoder layer per stage."""
+        of them: replicated, but not with LoRA adapters on them), the MLP width, the vocabulary; a pipeline
+        a decoder layer per stage."""
+        if tp > 1 and self.lora_kv and self.n_kv_head % tp:  # common/lora.py's lora_tp_plan refuses the copies
+            raise UsageError(
+                f"--lora_r: --tp_size {tp} copies the model's {self.n_kv_head} KV heads over the ranks, which an "
+                "adapter does not follow: leave k_proj and v_proj out of --lora_target_modules, or a --tp_size that "
+                "divides the KV heads"
+            )
         if tp > 1:
             for what, size in (
                 ("query heads (num_attention_heads)", self.n_head),
@@ -452,11 +560,13 @@ class Traffic:
 
 def forward_tp_traffic(traffic: Traffic, cfg: GPTConfig, rank: RankState, tokens: int, bf16: bool) -> None:
     """Forward of one micro-batch under TP: the embedding's partial sums (fp32), one all-reduce after
-    attention and one after the MLP per block (Megatron's g), the logits all-gathered at the head."""
+    attention and one after the MLP per block (Megatron's g), the logits all-gathered at the head; under
+    LoRA, each row-wise layer's adapter A sums its rank-r partial output too."""
     act = 2 if bf16 else 4
     if rank.has_first:
         traffic.add("tp", "all_reduce", 1, tokens * cfg.n_embd * 4)
     traffic.add("tp", "all_reduce", 2 * len(rank.layers), tokens * cfg.n_embd * act)
+    traffic.add("tp", "all_reduce", rank.lora_tp["forward"], tokens * rank.lora_tp["r"] * act)
     if rank.has_last:
         traffic.add("tp", "all_gather", 1, tokens * cfg.vocab_size * act)
 
@@ -471,9 +581,13 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
     if layout.tp > 1:
         for _ in range(m):
             forward_tp_traffic(step, cfg, rank, tokens, bf16)
-        # backward (Megatron's f): the input gradient of attention and MLP per block, of the head
-        step.add("tp", "all_reduce", m * 2 * len(rank.layers), tokens * cfg.n_embd * act)
+        # backward (Megatron's f): the input gradient of attention and MLP per block, of the head. Under LoRA
+        # none where the input needs no gradient (the first stage's sublayers up to the first adapter's), and
+        # each column-wise layer's adapter B sums its rank-r input gradient (A's weight gradient needs it)
+        frozen = rank.lora_tp["frozen_sublayers"]
+        step.add("tp", "all_reduce", m * (2 * len(rank.layers) - frozen), tokens * cfg.n_embd * act)
         step.add("tp", "all_reduce", m * rank.has_last, tokens * cfg.n_embd * act)
+        step.add("tp", "all_reduce", m * rank.lora_tp["backward"], tokens * rank.lora_tp["r"] * act)
     if layout.dp > 1:
         param_bytes = 2 if bf16 else 4  # FSDP gathers in the compute dtype and reduces in fp32
         for name, unit in rank.units.items():
@@ -482,12 +596,15 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
             # gradient accumulation (no pipeline): a reduce-scatter per micro-batch, as train_fsdp.py does by
             # default; --unsharded_accumulation and a pipeline's schedule: once, after the last backward
             reductions = 1 if layout.pp > 1 or args.unsharded_accumulation else m
+            # the gradients of what trains (LoRA: the adapters'; a unit with none, none at all)
+            reductions *= bool(unit.get("trained_tensors"))
+            trained = unit.get("trained_padded", 0)
             if layout.dp_shard > 1:  # each stage of this rank has its own root: one gather each
                 calls = gathers * (len(rank.stages) if name == "root" else 1)
                 step.add("dp_shard", "all_gather", calls, unit["padded"] * param_bytes * gathers / calls)
-                step.add("dp_shard", "reduce_scatter", reductions, unit["padded"] * 4)
+                step.add("dp_shard", "reduce_scatter", reductions, trained * 4)
             if layout.dp_replicate > 1:  # HSDP: the shards' gradients averaged over the replicas
-                step.add("dp_replicate", "all_reduce", reductions, unit["padded"] // layout.dp_shard * 4)
+                step.add("dp_replicate", "all_reduce", reductions, trained // layout.dp_shard * 4)
     if layout.pp > 1:
         boundary = tokens * cfg.n_embd * 4  # the residual stream crosses stages, fp32 under autocast too
         n_stages = layout.pp * args.stages_per_rank
@@ -541,13 +658,14 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         # and one block's full gradient before its reduce-scatter. Inside a pipeline the weights stay
         # gathered from one backward to the next, and the gradients unsharded until the last backward;
         # so do the gradients of gradient accumulation with --unsharded_accumulation (by default each
-        # micro-batch reduce-scatters them: one block's at a time).
+        # micro-batch reduce-scatters them: one block's at a time). Under LoRA only the adapters have them.
         gathered = 0
         if layout.dp_shard > 1:
             biggest = max(u["full"] for u in rank.units.values())
+            biggest_trained = max(u.get("trained_full", 0) for u in rank.units.values())
             weights = (rank.full_numel() if layout.pp > 1 else 2 * biggest) * (2 if bf16 else 4)
             whole = m > 1 and (layout.pp > 1 or args.unsharded_accumulation)
-            grads = (rank.full_numel() if whole else biggest) * 4
+            grads = (rank.full_numel(trained=True) if whole else biggest_trained) * 4
             gathered = weights + grads
         memory = own["total_bytes"] + pipeline_act + act["recompute"] + act["logits"] + gathered
         step, first = rank_traffic(cfg, layout, rank, pp_rank, args, bf16)
@@ -608,7 +726,7 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
     return {
         "layout": layout.describe(),
         "state_bytes_per_rank_max": state,
-        "ddp_state_bytes_per_rank": ddp_state_bytes(n_params, args.optimizer),
+        "ddp_state_bytes_per_rank": ddp_bytes(params, n_params, args.optimizer),
         "per_pp_rank": per_pp_rank,
         "memory_bytes_per_rank_max": memory,
         "gpu_memory_bytes": gpu_bytes,
@@ -628,6 +746,16 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         "global_batch_size": args.batch_size * layout.dp,
         **(cp_record(ring, args.cp_impl) if layout.cp > 1 else {}),
     }
+
+
+def ddp_bytes(params: list[dict], n_params: int, optimizer: str) -> dict:
+    """What DDP would hold on every rank (common/sharded_costs.py's ddp_state_bytes): every parameter, and
+    the gradients and optimizer state of those that train (under LoRA the adapters only)."""
+    n_train = sum(math.prod(p["shape"]) for p in params if p.get("trains", True))
+    figures = ddp_state_bytes(n_train, optimizer)
+    figures["param_bytes"] = 4 * n_params
+    figures["total_bytes"] = figures["param_bytes"] + figures["grad_bytes"] + figures["optimizer_bytes"]
+    return figures
 
 
 def cp_record(traffic: dict, impl: str) -> dict:
@@ -897,6 +1025,18 @@ def build_args() -> argparse.ArgumentParser:
         "gradients)",
     )
     g.add_argument(
+        "--lora_r",
+        type=int,
+        help="as the scripts' flag: train LoRA adapters of this rank beside the frozen model: the weights all "
+        "count, gradients and optimizer state only the adapters' (A: r x in, B: out x r per adapted layer, cut by "
+        "TP to follow it, sharded by FSDP); default: every weight trains",
+    )
+    g.add_argument(
+        "--lora_target_modules",
+        help="with --lora_r: the linear layers to adapt, comma-separated last name parts (e.g. q_proj,v_proj; "
+        "default: every linear layer named *proj but the output head, as the scripts choose them)",
+    )
+    g.add_argument(
         "--mixed_precision",
         default="no",
         help="no | bf16, as given to accelerate launch: bf16 halves activations and gathered weights "
@@ -930,7 +1070,7 @@ def hf_model(args) -> HFShape:
             raise UsageError(f"--{flag} changes the built-in GPT: with --model_config, edit the config instead")
     if args.vocab_size < 0:
         raise UsageError(f"--vocab_size must be 0 (the config's) or positive (got {args.vocab_size})")
-    hf = HFShape(args.model_config, args.vocab_size, args.block_size)
+    hf = HFShape(args.model_config, args.vocab_size, args.block_size, args.lora_r, args.lora_target_modules)
     if hf.n_experts:
         args.seq_len = args.seq_len or hf.block_size
         if args.ep_size is not None and (
@@ -1171,14 +1311,42 @@ def ep_main(args, cfg=None) -> None:
         print(json.dumps(records))
 
 
+def lora_line(params: list[dict], n_params: int, args) -> str:
+    """The header's line under LoRA: what trains, of what."""
+    if not args.lora_r:
+        return ""
+    adapters = [p for p in params if p.get("trains")]
+    n_train = sum(math.prod(p["shape"]) for p in adapters)
+    layers = list(dict.fromkeys(p["name"].rsplit(".", 3)[0].rsplit(".", 1)[-1] for p in adapters))
+    return (
+        f"\n  LoRA r={args.lora_r}: {n_train:,} of {n_params:,} parameters train ({100 * n_train / n_params:.2f}%), "
+        f"adapters on {len(adapters) // 2} linear layers ({', '.join(layers)}), the base frozen"
+    )
+
+
+def check_lora_args(args) -> None:
+    """--lora_r and --lora_target_modules as the scripts take them (common/cli.py's check_lora_args); the
+    targets are checked against the model (lora_parameters)."""
+    if args.lora_r is None:
+        if args.lora_target_modules is not None:
+            raise UsageError("--lora_target_modules needs --lora_r: give the adapters' rank, e.g. --lora_r 8")
+    elif args.lora_r < 1:
+        raise UsageError(f"--lora_r must be at least 1 (got {args.lora_r}); leave it out to train every weight")
+    elif args.n_experts:
+        raise UsageError(
+            "--lora_r: --n_experts plans train_ep.py's layouts, which count no LoRA adapters: plan it without --lora_r"
+        )
+
+
 def main():
     args = build_args().parse_args()
+    check_lora_args(args)
     hf = hf_model(args) if args.model_config else None  # a 🤗 config, built on the meta device
     if args.n_experts or (hf and hf.n_experts):  # a mixture of experts: train_ep.py's layouts (experts over ep)
         return ep_main(args, hf)
     cfg = check_args(args, hf)
     links = link_settings(args)
-    params, n_params = (hf.params, hf.n_params) if hf else model_parameters(cfg)
+    params, n_params = (hf.params, hf.n_params) if hf else model_parameters(cfg, args.lora_r, args.lora_target_modules)
     fixed = {d: getattr(args, d) for d in DIMS}
 
     valid, reasons = [], {}
@@ -1231,14 +1399,17 @@ def main():
         f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}\n"
         f"  roofline: {args.peak_tflops:g} TFLOP/s peak; links "
         + ", ".join(f"{k} {v['bandwidth_GBps']:g} GB/s + {v['latency_us']:g} us" for k, v in links.items())
+        + lora_line(params, n_params, args)
         + f"\n  {len(records)} valid layouts ({len(reasons)} others cannot run this model), {fitting} fit\n"
     )
     print(table(records, args.top, given))
     if args.top and len(records) > args.top:
         print(f"... {len(records) - args.top} more (--top 0 shows all)")
     print(
-        "state: parameters + gradients + optimizer state of the largest rank; activ.: activations in flight, "
-        "logits and recomputation; total adds FSDP's gathered copies; comm: rank 0's collectives per step"
+        "state: parameters + gradients + optimizer state of the largest rank"
+        + (" (LoRA: gradients and optimizer state of the adapters only)" if args.lora_r else "")
+        + "; activ.: activations in flight, logits and recomputation; total adds FSDP's gathered copies; comm: rank "
+        "0's collectives per step"
     )
     if args.json:
         print(json.dumps(records))

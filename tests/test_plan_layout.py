@@ -3,6 +3,7 @@ activations), and the planner's own promises: every valid layout, fits or not, -
 one-line errors."""
 
 import json
+import math
 import sys
 import time
 
@@ -42,7 +43,9 @@ def usage_error(monkeypatch, capsys, *flags: str) -> str:
 # name: (xdist group, script, processes, run flags, the same layout for the planner). A run with a group is
 # the one that group's parity test launches (shared_run: launched once, on that group's worker); the others
 # run one step here. Pipelines run micro-batches of 32 so that activations, not the weights autograd also
-# keeps, dominate what the run measures.
+# keeps, dominate what the run measures. The lora_ runs train LoRA adapters of rank 4 beside the frozen model:
+# every weight counts in param_bytes, only the adapters in grad_bytes and optimizer_bytes, and the collectives
+# change with them (FSDP reduce-scatters the adapters' gradients only; TP adds rank-4 all-reduces).
 FSDP_RUN = tuple(test_fsdp.FLAGS)  # the parity tests' runs
 TP_RUN = tuple(test_tp.FLAGS)
 ONE_STEP = ("--max_steps", "1")
@@ -83,6 +86,20 @@ RUNS = {
         [*ONE_STEP, "--n_layer", "4", "--pp_size", "2", "--dp_shard", "2", "--tp_size", "2", "--batch_size", "128"],
         ["--n_layer", "4", "--pp_size", "2", "--dp_shard", "2", "--tp_size", "2", "--batch_size", "128"]
         + ["--n_microbatches", "4", "--seq_len", "13"],
+    ),
+    "lora_fsdp2": (
+        None,
+        "train_fsdp.py",
+        2,
+        [*ONE_STEP, "--batch_size", "8", "--lora_r", "4"],
+        ["--dp_shard", "2", "--batch_size", "8", "--seq_len", "13", "--lora_r", "4"],
+    ),
+    "lora_tp2": (
+        None,
+        "train_tp.py",
+        2,
+        [*ONE_STEP, "--batch_size", "16", "--addition_digits", "4", "--lora_r", "4"],
+        ["--tp_size", "2", "--batch_size", "16", "--seq_len", "16", "--lora_r", "4"],
     ),
 }
 
@@ -455,3 +472,81 @@ def test_the_planners_tp_cuts_are_the_lessons_plan():
                 elif isinstance(style, RowwiseParallel) and short == "weight":
                     want = 0 if isinstance(module, torch.nn.Embedding) else 1
                 assert planned[f"{module_name}.{short}"] == want, f"{module_name}.{short}: sp={sp}, lp={lp}"
+
+
+# ----------------------------------------------------------------------------- LoRA (--lora_r)
+def peft_parameters(model, **flags) -> dict:
+    """{name: (shape, trains)} of `model` as the scripts' apply_lora leaves it (PEFT's adapters injected in
+    place, the base frozen), the base layers under their own names (PEFT's `x.base_layer.weight` -> `x.weight`)."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from common.lora import apply_lora
+
+    args = Namespace(lora_alpha=16.0, lora_dropout=0.0, merge_lora=False, model_name_or_path=None, **flags)
+    model, _ = apply_lora(model, SimpleNamespace(), args)
+    return {n.replace(".base_layer.", "."): (tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("targets", [None, "up_proj,o_proj"])
+def test_lora_parameters_are_the_scripts_adapters(targets, zoo):
+    """The planner's parameters under LoRA are those apply_lora leaves, name by name: the built-in GPT's and a 🤗
+    Llama's, every projection (the default) or the ones named; A (r, in) and B (out, r) train, the rest is frozen."""
+    import torch
+
+    from common.model import GPT, GPTConfig
+
+    cfg = GPTConfig.from_preset("tiny")
+    torch.manual_seed(0)
+    gpt = peft_parameters(GPT(cfg), lora_r=4, lora_target_modules=targets)
+    planned, n_params = plan_layout.model_parameters(cfg, 4, targets)
+    assert {p["name"]: (p["shape"], p["trains"]) for p in planned} == gpt
+    assert n_params == sum(math.prod(shape) for shape, _ in gpt.values())
+    assert sum(trains for _, trains in gpt.values()) == 2 * 2 * (6 if targets is None else 2)  # A, B; 2 blocks
+    llama = peft_parameters(real_model(zoo["llama"]), lora_r=4, lora_target_modules=targets)
+    shape = plan_layout.HFShape(str(zoo["llama"]), 256, None, 4, targets)
+    assert {p["name"]: (p["shape"], p["trains"]) for p in shape.params} == llama
+    assert shape.n_params == sum(math.prod(s) for s, _ in llama.values())
+
+
+def test_lora_tp_adds_rank_r_all_reduces(monkeypatch, capsys):
+    """TP 2 with adapters on o_proj and up_proj only, as a train_tp.py run measured them (13 all-reduces, 0.5781
+    MiB): forward, the 5 of the model plus o_proj's A output (row-wise: partial sums) in each block; backward,
+    the 5 of the model less block 0's attention input gradient (nothing before it trains, so autograd computes
+    none), plus up_proj's B input gradient (column-wise) in each block; the adapters' all-reduces r = 4 wide."""
+    flags = ("--model_size", "tiny", "--world_size", "2", "--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "1")
+    flags += ("--tp_size", "2", "--batch_size", "16", "--seq_len", "16", "--n_microbatches", "1")
+    full = plan(monkeypatch, capsys, *flags)[0]
+    lora = plan(monkeypatch, capsys, *flags, "--lora_r", "4", "--lora_target_modules", "up_proj,o_proj")[0]
+    model, adapter = 256 * 64 * 4, 256 * 4 * 4  # tokens x width (or r), fp32
+    assert full["collectives_first_step_rank0"]["all_reduce"] == {"calls": 10, "mib": round(10 * model / 2**20, 4)}
+    assert lora["collectives_first_step_rank0"]["all_reduce"] == {
+        "calls": 13,
+        "mib": round((9 * model + 4 * adapter) / 2**20, 4),
+    }
+    assert lora["state_bytes_per_rank_max"]["grad_bytes"] == 4 * 2 * (4 * 32 + 64 * 4 + 4 * 64 + 128 * 4)
+    assert lora["state_bytes_per_rank_max"]["param_bytes"] > full["state_bytes_per_rank_max"]["param_bytes"]
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--lora_r", "0"], "--lora_r must be at least 1 (got 0)"),
+        (["--lora_r", "4", "--lora_target_modules", "q_proj,qkv"], "--lora_target_modules q_proj,qkv: qkv names no"),
+        (["--lora_target_modules", "q_proj"], "--lora_target_modules needs --lora_r"),
+        (["--lora_r", "4", "--n_experts", "4"], "--lora_r: --n_experts plans train_ep.py's layouts"),
+    ],
+)
+def test_lora_bad_input_is_one_line_naming_the_flag(flags, says, monkeypatch, capsys):
+    assert says in usage_error(monkeypatch, capsys, "--model_size", "tiny", "--world_size", "2", *flags)
+
+
+def test_lora_on_copied_kv_heads_is_refused(zoo, monkeypatch, capsys):
+    """Llama's 4 KV heads at TP 8 are copied over the ranks, which an adapter does not follow (lora_tp_plan refuses
+    it): that layout cannot run with adapters on k_proj / v_proj, and can without them; a 🤗 MoE is refused."""
+    flags = ("--model_config", str(zoo["llama"]), "--seq_len", "16", "--world_size", "8", "--tp_size", "8")
+    says = usage_error(monkeypatch, capsys, *flags, "--lora_r", "4")
+    assert "--tp_size 8 copies the model's 4 KV heads" in says
+    assert plan(monkeypatch, capsys, *flags, "--lora_r", "4", "--lora_target_modules", "q_proj,o_proj")
+    moe = usage_error(monkeypatch, capsys, "--model_config", str(zoo["mixtral"]), "--world_size", "2", "--lora_r", "4")
+    assert "is a mixture of experts" in moe

@@ -39,7 +39,7 @@ def tp_start_lines(
     row = [
         m
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and any(key_matches(k, name) for k in rowwise)
+        if isinstance(getattr(m, "base_layer", m), nn.Linear) and any(key_matches(k, name) for k in rowwise)  # LoRA
     ]
     n_col = sum(isinstance(s, ColwiseParallel) or _copies_kv(s) for s in plan.values())
     n_row = sum(isinstance(s, RowwiseParallel) for s in plan.values())
