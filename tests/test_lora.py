@@ -133,7 +133,7 @@ def pretrained(tmp_path_factory):
 
 
 def test_the_adapter_is_peft_s_and_reloads(pretrained, tmp_path, data_cache):
-    """A pretrained 🤗 Llama with adapters on 2 processes (FSDP): OUTPUT/adapter is PEFT's own format, its
+    """A pretrained 🤗 Llama with adapters on 2 processes (FSDP), as on one: OUTPUT/adapter is PEFT's own format, its
     config names the base's folder; PeftModel.from_pretrained on the base gives the run's final evaluation
     (evaluate.py on the adapter folder: within 1e-6), and --merge_lora's merged model is merge_and_unload's
     (evaluate.py on it: the same loss)."""
@@ -141,9 +141,11 @@ def test_the_adapter_is_peft_s_and_reloads(pretrained, tmp_path, data_cache):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "run"
-    flags = [*LORA, "--model_name_or_path", str(pretrained), "--batch_size", "8", "--merge_lora"]
-    launch_tiny("train_fsdp.py", out, data_cache, *flags, nproc=2)
+    out, one = tmp_path / "run", tmp_path / "one_process"
+    flags = [*LORA, "--model_name_or_path", str(pretrained), "--merge_lora"]
+    launch_tiny("train_fsdp.py", out, data_cache, *flags, "--batch_size", "8", nproc=2)
+    launch_tiny("train_ddp.py", one, data_cache, *flags, "--batch_size", "16")
+    assert_same_losses(train_losses(one), train_losses(out), STEPS, tol=1e-5)  # the pretrained base too
     adapter = out / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(pretrained.resolve()) and config["peft_type"] == "LORA"
