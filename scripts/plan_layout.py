@@ -8,7 +8,9 @@ one you give) is costed the way the training scripts build it, without starting 
                                                        FSDP cut the model (the same bytes as the
                                                        runs' state_bytes_per_rank_max); --lora_r:
                                                        the frozen model's weights, and gradients
-                                                       and AdamW state of the LoRA adapters only
+                                                       and AdamW state of the LoRA adapters only;
+                                                       --optimizer muon: one fp32 momentum for
+                                                       Muon's matrices, AdamW's state for the rest
              + activations                             what autograd keeps per micro-batch, times the
                                                        micro-batches the schedule holds in flight
              + gathered weights and gradients          FSDP's unsharded copies while a block computes
@@ -21,7 +23,8 @@ one you give) is costed the way the training scripts build it, without starting 
                                                        span exceeds one node
     step time: a plain roofline: FLOPs / peak, stretched by the pipeline bubble, plus TP and PP
                transfers (on the critical path) and the part of FSDP/HSDP traffic that computing
-               cannot hide; bytes / bus bandwidth + latency per call, per link
+               cannot hide; bytes / bus bandwidth + latency per call, per link; --optimizer muon adds the
+               gathers and scatters (or all-gathers) that make its cut matrices whole, after the backward
 
 Layouts that fit come first, fastest first. The tests check the plan against real runs: state
 bytes within 1%, first-step collectives exactly, pipeline activations within 25%. Plan it:
@@ -57,6 +60,7 @@ from common.model import (
     flops_per_token,
     gpt_config_from_args,
 )
+from common.muon import muon_matrices
 from common.pipeline import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -86,10 +90,12 @@ def model_parameters(
 ) -> tuple[list[dict], int]:
     """Name, shape and TP placement of every parameter, read from the real model built on the meta
     device (no memory) and the cuts of train_tp.py's plan (common/tp_costs.py's GPT_TP_CUTS, which a test
-    holds to the plan). `tp_dim`: the dimension TP splits (None: replicated on every TP rank). With
-    `lora_r`: the model frozen and LoRA's adapters beside it (lora_parameters)."""
+    holds to the plan). `tp_dim`: the dimension TP splits (None: replicated on every TP rank); `muon`: a
+    matrix --optimizer muon gives Muon (common/muon.py's muon_matrices). With `lora_r`: the model frozen and
+    LoRA's adapters beside it (lora_parameters)."""
     with torch.device("meta"):
         model = GPT(cfg)
+    muon = {id(p) for p in muon_matrices(model)}  # --optimizer muon: its matrices (common/muon.py's choice)
     params = []
     for module_name, module in model.named_modules():
         cut = GPT_TP_CUTS.get(module_name.rsplit(".", 1)[-1])
@@ -109,6 +115,7 @@ def model_parameters(
                     "tp_dim": tp_dim,
                     "block": block,
                     "end": end,
+                    "muon": id(p) in muon,
                 }
             )
     if lora_r:
@@ -157,13 +164,14 @@ def lora_parameters(model: nn.Module, params: list[dict], r: int, spec: str | No
         order.setdefault(sublayer(name), sum(s.rsplit(".", 1)[0] == block for s in order))
     lora, n_adapters = [], 0
     for p in params:
-        lora.append(p | {"trains": False})
+        lora.append(p | {"trains": False, "muon": False})  # frozen: Muon takes the adapters only
         module_name, short = p["name"].rsplit(".", 1)
         if short != "weight" or module_name not in linears or module_name.rsplit(".", 1)[-1] not in targets:
             continue
         layer = linears[module_name]
         cut = {0: "column", 1: "row"}.get(p["tp_dim"])  # of the base's [out, in] weight
-        where = {"block": p["block"], "end": p["end"], "trains": True, "sublayer": order[sublayer(module_name)]}
+        where = {"block": p["block"], "end": p["end"], "trains": True, "muon": True}  # 2-D and trained: Muon's
+        where["sublayer"] = order[sublayer(module_name)]
         floor = {"tp_floor": p["tp_floor"]} if "tp_floor" in p else {}  # B's rows are the layer's outputs
         lora.append(
             {"name": f"{module_name}.lora_A.default.weight", "shape": (r, layer.in_features)}
@@ -195,13 +203,34 @@ def fsdp_rows(rows: int, dp_shard: int) -> tuple[int, int]:
     return largest, largest * dp_shard
 
 
+def kv_copied(p: dict, tp: int) -> bool:
+    """KV heads fewer than tp: the parameter is copied over the ranks that share a head (common/hf_tp.py's
+    KVHeadsReplicated: a DTensor of its own mesh, Shard(0) over the heads, Replicate() over the copies)."""
+    return bool(tp > 1 and p.get("tp_floor") and p["shape"][p["tp_dim"]] // tp < p["tp_floor"])
+
+
+def muon_cuts(p: dict, layout: Layout) -> list[tuple[str, int]]:
+    """The mesh dimensions (group, ranks) that cut a matrix of `p` (common/muon.py's cutting_dims), in the
+    order DTensor's full_tensor all-gathers them: TP's dimension (or, KV heads copied, the heads'), and FSDP's
+    rows (dim 0, which cuts a matrix, not a stack's 3-D one). Both cut: FSDP's first where TP cuts the same
+    rows (a strided shard), else TP's first."""
+    ndim, cuts = len(p["shape"]), []
+    if layout.tp > 1 and p["tp_dim"] is not None and p["tp_dim"] % ndim >= ndim - 2:
+        heads = p["shape"][p["tp_dim"]] // p["tp_floor"] if kv_copied(p, layout.tp) else layout.tp
+        cuts += [("tp", heads)] if heads > 1 else []
+    if layout.dp_shard > 1 and ndim == 2:
+        cuts.insert(0 if p["tp_dim"] == 0 else len(cuts), ("dp_shard", layout.dp_shard))
+    return cuts
+
+
 class RankState:
     """The parameters one pipeline rank holds (tp rank 0, dp rank 0: the largest shards), grouped
     into FSDP units: one per block, plus the stage's root (embeddings, final norm, head). Each unit counts
     what it holds and, apart, what of it trains (`trained_*`: all of it, but under LoRA the adapters only).
     `lora_tp`: under LoRA, the rank-r all-reduces TP adds per micro-batch (`forward`, `backward`, of `r`
     values a token) and `frozen_sublayers`, the sublayers (two a block) on the first stage before the first
-    adapter and its own, whose input needs no gradient: TP's backward all-reduce there does not run."""
+    adapter and its own, whose input needs no gradient: TP's backward all-reduce there does not run.
+    `matrices`: Muon's matrices on this rank, in the order the optimizer deals them (muon_traffic)."""
 
     def __init__(self, params: list[dict], layout: Layout, pp_rank: int, stages_per_rank: int, n_layer: int):
         n_stages = layout.pp * stages_per_rank
@@ -214,6 +243,7 @@ class RankState:
         self.lora_tp = {"forward": 0, "backward": 0, "r": 0, "frozen_sublayers": 0}
         first_layers = layers[0] if self.has_first else []
         first_adapter = (math.inf, 0)  # (layer, sublayer) of the first adapter on the first stage
+        self.matrices, placements = [], []  # Muon's matrices; the optimizer's groups of matrices, in their order
         for p in params:
             if p["block"] is not None:
                 if p["block"] not in self.layers:
@@ -227,11 +257,20 @@ class RankState:
             rest = math.prod(shape[1:])
             held, padded = fsdp_rows(shape[0], layout.dp_shard)
             u = self.units.setdefault(unit, dict.fromkeys(("held", "padded", "full", "tensors"), 0))
-            for prefix in ("", "trained_") if p.get("trains", True) else ("",):
+            trains, muon = p.get("trains", True), p.get("trains", True) and p.get("muon", False)
+            for prefix in [""] + ["trained_"] * trains + ["muon_"] * muon:  # muon_: Muon's matrices
                 u[f"{prefix}held"] = u.get(f"{prefix}held", 0) + held * rest
                 u[f"{prefix}padded"] = u.get(f"{prefix}padded", 0) + padded * rest
                 u[f"{prefix}full"] = u.get(f"{prefix}full", 0) + math.prod(shape)
                 u[f"{prefix}tensors"] = u.get(f"{prefix}tensors", 0) + 1
+            if trains and len(shape) >= 2:  # make_optimizer's groups of matrices: one per DTensor placement
+                placement = (p["tp_dim"] if layout.tp > 1 else None, kv_copied(p, layout.tp))
+                placements += [placement] if placement not in placements else []
+                if muon:
+                    self.matrices.append(
+                        {"param_group": placements.index(placement), "cuts": muon_cuts(p, layout)}
+                        | {"local": held * rest, "whole": math.prod(p["shape"])}  # rank 0's slice, the matrix
+                    )
             if p.get("tp_all_reduce"):
                 self.lora_tp[p["tp_all_reduce"]] += 1
                 self.lora_tp["r"] = p["shape"][0] if p["tp_all_reduce"] == "forward" else p["shape"][1]
@@ -244,11 +283,14 @@ class RankState:
     def state_bytes(self, optimizer: str) -> dict:
         """fp32 parameters, gradients and (AdamW) two moments plus a 4-byte step count per tensor:
         the scripts keep fp32 master weights under bf16 too. Gradients and optimizer state: of what trains
-        (LoRA: the adapters; the frozen base counts in the parameters only)."""
+        (LoRA: the adapters; the frozen base counts in the parameters only). Muon: one momentum for its
+        matrices (no step count), laid out as each parameter; AdamW's two moments and step for the rest."""
         held = sum(u["held"] for u in self.units.values())
         trained = sum(u.get("trained_held", 0) for u in self.units.values())
         tensors = sum(u.get("trained_tensors", 0) for u in self.units.values())
-        optim = 8 * trained + 4 * tensors if optimizer == "adamw" else 0
+        muon = sum(u.get("muon_held", 0) for u in self.units.values()) if optimizer == "muon" else 0
+        muon_tensors = sum(u.get("muon_tensors", 0) for u in self.units.values()) if optimizer == "muon" else 0
+        optim = 4 * muon + 8 * (trained - muon) + 4 * (tensors - muon_tensors) if optimizer != "sgd" else 0
         figures = {"param_bytes": 4 * held, "grad_bytes": 4 * trained, "optimizer_bytes": optim}
         figures["total_bytes"] = sum(figures.values())
         return figures
@@ -346,6 +388,7 @@ class HFShape:
         layers_name = self.units_path.split(".")[-1]
         embedding = model.get_input_embeddings()
         head = model.get_output_embeddings()
+        muon = {id(p) for p in muon_matrices(model)}
         params = []
         for module_name, module in model.named_modules():
             for short, p in module.named_parameters(recurse=False):
@@ -371,6 +414,7 @@ class HFShape:
                     floor = self.head_dim
                 params.append(
                     {"name": name, "shape": tuple(p.shape), "tp_dim": tp_dim, "block": block, "end": end}
+                    | {"muon": id(p) in muon}
                     | ({"tp_floor": floor} if floor else {})
                 )
         return params, count_parameters(model)
@@ -629,9 +673,47 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
     return step, first
 
 
+def muon_traffic(rank: RankState) -> tuple[Traffic, dict]:
+    """--optimizer muon: what one optimizer step sends to make this rank's cut matrices whole for Newton–Schulz
+    (common/muon.py's orthogonalise_all), for the rank whose group ranks are all 0 (the plan's rank), and the
+    figures of the run's `optimizer:` start line. A matrix cut along one mesh dimension is dealt round-robin
+    over the group that cuts it, in the optimizer's order (make_optimizer's groups, one per placement, each in
+    model order): every rank makes one gather (its slice to the owner) and one scatter (its slice back) per
+    matrix, and the owner receives the other slices. Counted here: the bytes rank 0 receives (fp32, unpadded,
+    as the start line counts them): the others' slices in the gathers of the matrices it owns, its own slice
+    in the scatters of the others. A matrix cut along two (FSDP beside TP) is all-gathered on every rank, one
+    all-gather per dimension, each counted by its full buffer (rank 0 receives (n-1)/n of it), as
+    CollectiveCounter counts one. Nothing for a whole matrix (DDP, replicated)."""
+    traffic, dealt, received = Traffic(), {}, 0
+    figures = dict.fromkeys(("matrices", "cut", "dealt_round_robin", "orthogonalised_rank0", "cut_twice"), 0)
+    for m in sorted(rank.matrices, key=lambda m: m["param_group"]):  # stable: model order inside a group
+        figures["matrices"] += 1
+        figures["cut"] += bool(m["cuts"])
+        local, whole = m["local"], m["whole"]
+        if len(m["cuts"]) == 1:
+            group, size = m["cuts"][0]
+            dealt[m["cuts"][0]] = n = dealt.get(m["cuts"][0], -1) + 1
+            owner = n % size == 0  # rank 0 of the group owns the 1st, (size+1)-th, ... matrix dealt
+            figures["dealt_round_robin"] += 1
+            figures["orthogonalised_rank0"] += owner
+            traffic.add(group, "gather", 1, 4 * (whole - local) if owner else 0)
+            traffic.add(group, "scatter", 1, 0 if owner else 4 * local)
+            received += 4 * (whole - local) if owner else 4 * local
+        elif m["cuts"]:
+            (first, n1), (second, n2) = m["cuts"]
+            figures["cut_twice"] += 1
+            traffic.add(first, "all_gather", 1, 4 * local * n1)
+            traffic.add(second, "all_gather", 1, 4 * local * n1 * n2)
+            received += 4 * (whole - local)
+    figures["received_mib_rank0"] = round(received / MiB, 4)
+    figures["collectives_per_step_rank0"] = traffic.by_kind()
+    return traffic, figures
+
+
 def collective_seconds(kind: str, nbytes: float, calls: int, size: int, link: dict) -> float:
     """Bus-bandwidth time (nccl-tests' convention): all-reduce moves 2(n-1)/n of the buffer,
-    all-gather and reduce-scatter (n-1)/n of the full buffer, send/recv all of it; plus latency."""
+    all-gather and reduce-scatter (n-1)/n of the full buffer, send/recv all of it (Muon's gathers and
+    scatters: the bytes the rank receives, as muon_traffic counts them); plus latency."""
     factor = {"all_reduce": 2 * (size - 1) / size, "all_gather": (size - 1) / size, "reduce_scatter": (size - 1) / size}
     moved = nbytes * factor.get(kind, 1.0)
     return moved / (link["bandwidth_GBps"] * 1e9) + calls * link["latency_us"] * 1e-6
@@ -643,7 +725,7 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
     m = args.n_microbatches
     micro_batch = args.batch_size // m
     state = {k: 0 for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")}
-    per_pp_rank, traffic = [], []
+    per_pp_rank, traffic, optimizer = [], [], []
     for pp_rank in range(layout.pp):
         rank = RankState(params, layout, pp_rank, args.stages_per_rank, cfg.n_layer)
         own = rank.state_bytes(args.optimizer)
@@ -670,6 +752,7 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         memory = own["total_bytes"] + pipeline_act + act["recompute"] + act["logits"] + gathered
         step, first = rank_traffic(cfg, layout, rank, pp_rank, args, bf16)
         traffic.append((step, first))
+        optimizer.append(muon_traffic(rank) if args.optimizer == "muon" else (Traffic(), None))
         per_pp_rank.append(
             {
                 "pp_rank": pp_rank,
@@ -696,13 +779,15 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
     compute_s = flops / peak
     bubble = bubble_theory(layout.pp, m, args.stages_per_rank) if layout.pp > 1 else 0.0
     worst = {"exposed": 0.0}
-    for step, _ in traffic:  # the slowest pipeline rank sets the pace
-        seconds = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    for (step, _), (after, _) in zip(traffic, optimizer, strict=True):  # the slowest pipeline rank sets the pace
+        seconds = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "optimizer": 0.0}
         for (group, kind), (calls, nbytes) in step.items.items():
             t = collective_seconds(kind, nbytes, calls, sizes[group], links[link_names[group]])
             seconds["dp" if group.startswith("dp") else group] += t
+        for (group, kind), (calls, nbytes) in after.items.items():  # Muon's, after the backward: nothing hides it
+            seconds["optimizer"] += collective_seconds(kind, nbytes, calls, sizes[group], links[link_names[group]])
         hidden = 0.0 if args.no_overlap else compute_s  # FSDP and DDP overlap compute (GPUs), not on CPUs
-        exposed = seconds["tp"] + seconds["pp"] + max(0.0, seconds["dp"] - hidden)
+        exposed = seconds["tp"] + seconds["pp"] + seconds["optimizer"] + max(0.0, seconds["dp"] - hidden)
         if exposed >= worst["exposed"]:
             worst = {"exposed": exposed, **seconds}
     ring = ring_traffic(cfg, layout, args, micro_batch, bf16, links)
@@ -713,16 +798,19 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
     tokens_per_s = tokens_per_replica * layout.dp / step_s
 
     step0, first0 = traffic[0]
-    comm = [
-        {
-            "group": group,
-            "kind": kind,
-            "calls": calls,
-            "bytes": round(nbytes),
-            "link": link_names[group],
-        }
-        for (group, kind), (calls, nbytes) in sorted(step0.items.items())
-    ]
+    comm, optimizer_comm = (
+        [
+            {
+                "group": group,
+                "kind": kind,
+                "calls": calls,
+                "bytes": round(nbytes),
+                "link": link_names[group],
+            }
+            for (group, kind), (calls, nbytes) in sorted(items.items.items())
+        ]
+        for items in (step0, optimizer[0][0])  # forward and backward; Muon's optimizer step
+    )
     return {
         "layout": layout.describe(),
         "state_bytes_per_rank_max": state,
@@ -733,26 +821,31 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         "fits": memory <= gpu_bytes,
         "headroom_bytes": gpu_bytes - memory,
         "collectives_per_step_rank0": comm,
-        "collectives_first_step_rank0": step0.merged(first0).by_kind(),
+        "collectives_first_step_rank0": step0.merged(first0).by_kind(),  # forward and backward, as the runs count
+        "optimizer_collectives_per_step_rank0": optimizer_comm,  # Muon's, after the backward (muon_traffic)
         "links": {group: link_names[group] for group, size in sizes.items() if size > 1},
         "compute_s": round(compute_s, 6),
         "bubble": round(bubble, 4),
         "tp_s": round(worst.get("tp", 0.0), 6),
         "pp_s": round(worst.get("pp", 0.0), 6),
         "dp_s": round(worst.get("dp", 0.0), 6),
+        "optimizer_s": round(worst.get("optimizer", 0.0), 6),
         "step_time_s": round(step_s, 6),
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": round(flops_per_token(cfg, n_params, args.seq_len) * tokens_per_s / (peak * layout.world_size), 4),
         "global_batch_size": args.batch_size * layout.dp,
         **(cp_record(ring, args.cp_impl) if layout.cp > 1 else {}),
+        **({"muon": optimizer[0][1]} if args.optimizer == "muon" else {}),
     }
 
 
 def ddp_bytes(params: list[dict], n_params: int, optimizer: str) -> dict:
     """What DDP would hold on every rank (common/sharded_costs.py's ddp_state_bytes): every parameter, and
-    the gradients and optimizer state of those that train (under LoRA the adapters only)."""
+    the gradients and optimizer state of those that train (under LoRA the adapters only; Muon: one momentum
+    for its matrices, AdamW's two moments for the rest)."""
     n_train = sum(math.prod(p["shape"]) for p in params if p.get("trains", True))
-    figures = ddp_state_bytes(n_train, optimizer)
+    n_muon = sum(math.prod(p["shape"]) for p in params if p.get("trains", True) and p.get("muon"))
+    figures = ddp_state_bytes(n_train, optimizer, n_muon / max(n_train, 1))
     figures["param_bytes"] = 4 * n_params
     figures["total_bytes"] = figures["param_bytes"] + figures["grad_bytes"] + figures["optimizer_bytes"]
     return figures
@@ -1007,7 +1100,12 @@ def build_args() -> argparse.ArgumentParser:
     g.add_argument("--seq_len", type=int, help="tokens per sample (default: the model's --block_size)")
     g.add_argument("--n_microbatches", type=int, default=8, help="micro-batches each --batch_size is split into")
     g.add_argument("--schedule", default="1f1b", help=f"pipeline schedule: {' | '.join(SCHEDULES)}")
-    g.add_argument("--optimizer", default="adamw", help="adamw | sgd (plain SGD keeps no state)")
+    g.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="adamw | sgd (plain SGD keeps no state) | muon (one fp32 momentum for the hidden matrices, AdamW for "
+        "the rest; the matrices FSDP or TP cut are gathered whole and scattered back after each backward)",
+    )
     g.add_argument(
         "--activation_checkpointing", action="store_true", help="recompute each block's activations in backward"
     )
@@ -1111,8 +1209,8 @@ def check_args(args, hf: HFShape | None = None) -> GPTConfig | HFShape:
         raise UsageError(f"--schedule {args.schedule!r} is not supported: choose {', '.join(SCHEDULES)}")
     if args.mixed_precision not in ("no", "bf16"):
         raise UsageError(f"--mixed_precision {args.mixed_precision!r}: the sharded scripts run no or bf16")
-    if args.optimizer not in ("adamw", "sgd"):
-        raise UsageError(f"--optimizer {args.optimizer!r} is not supported: use adamw or sgd")
+    if args.optimizer not in ("adamw", "sgd", "muon"):
+        raise UsageError(f"--optimizer {args.optimizer!r} is not supported: use adamw, sgd or muon")
     if args.global_batch_size is not None and args.global_batch_size < 1:
         raise UsageError(f"--global_batch_size must be at least 1 (got {args.global_batch_size})")
     if not args.global_batch_size and args.batch_size % args.n_microbatches:
@@ -1196,7 +1294,8 @@ def table(records: list[dict], top: int, given: bool) -> str:
         headroom = r["headroom_bytes"] / GiB
         fits = f"yes +{headroom:.1f}" if r["fits"] else f"NO {headroom:.1f}"
         tp_link = {"intra_node": "node", "inter_node": "CROSS"}.get(r["links"].get("tp"), "-")
-        comm = sum(c["bytes"] for c in r["collectives_per_step_rank0"]) / 1e9
+        comm = sum(c["bytes"] for c in r["collectives_per_step_rank0"] + r["optimizer_collectives_per_step_rank0"])
+        comm /= 1e9  # GB, Muon's gathers and scatters included
         label = ("given " if given and i == 0 else "") + describe(r["layout"])
         lines.append(
             f"{r['rank']:>3}  {label:<19} {worst['state_bytes'] / GiB:>7.2f}G {activations / GiB:>7.2f}G "
@@ -1229,18 +1328,27 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
       gathered whole (one layer at a time, like FSDP's units);
     - all-to-all per MoE layer and micro-batch: tokens x top_k x n_embd x bytes, twice (dispatch and
       combine), in forward and again in backward; (ep - 1) / ep of it leaves the rank;
-    - active parameters: what a token goes through (top_k experts of E), against the total."""
+    - active parameters: what a token goes through (top_k experts of E), against the total.
+    --optimizer muon: one momentum for Muon's matrices (the experts' stacks among them), AdamW's two moments for
+    the rest; its gathers and scatters are not costed here (nor are FSDP's collectives)."""
     if isinstance(cfg, HFShape):  # a 🤗 MoE: its experts' batched weights, read off the meta model
         total, experts, n_moe = cfg.n_params, cfg.expert_numel, len(cfg.moe_layers)
+        muon = [(".experts." in p["name"], math.prod(p["shape"])) for p in cfg.params if p["muon"]]
     else:
         with torch.device("meta"):
             model = GPT(cfg)
         total = count_parameters(model)
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
+        matrices = {id(p) for p in muon_matrices(model)}
+        muon = [(".experts." in n, p.numel()) for n, p in model.named_parameters() if id(p) in matrices]
     slices = args.world_size // ep  # the dp / ep groups that cut each rank's experts again (dim 1)
     active = total - experts * (cfg.n_experts - cfg.top_k) // cfg.n_experts
-    per_state = 4 if args.optimizer == "adamw" else 2  # parameters, gradients (+ two Adam moments), fp32
+
+    def per_state(is_expert: bool, numel: int) -> float:  # parameters, gradients (+ two Adam moments), fp32
+        share = sum(n for e, n in muon if e == is_expert) / max(numel, 1)  # Muon: one moment for its matrices
+        return 2 + {"adamw": 2.0, "muon": 2.0 - share}.get(args.optimizer, 0.0)
+
     expert_bytes = 4 * experts // args.world_size  # E / ep experts, cut over dp / ep: E / dp experts' worth
     gathered_bytes = 4 * experts // ep // max(n_moe, 1)  # one MoE layer's E / ep experts, whole
     dense_bytes = 4 * (total - experts) / args.world_size
@@ -1253,7 +1361,8 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
         a2a_step * (ep - 1) / ep / (link["bandwidth_GBps"] * 1e9) + 4 * n_moe * link["latency_us"] * 1e-6
     ) * (ep > 1)  # ep 1: every token stays on its rank
     compute_seconds = 6 * active * tokens / (args.peak_tflops * 1e12)
-    memory = per_state * (expert_bytes + dense_bytes) + 2 * gathered_bytes  # + its weights and gradients
+    memory = per_state(True, experts) * expert_bytes + per_state(False, total - experts) * dense_bytes
+    memory += 2 * gathered_bytes  # + its weights and gradients
     return {
         "ep": ep,
         "dp": args.world_size,

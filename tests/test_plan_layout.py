@@ -4,6 +4,7 @@ one-line errors."""
 
 import json
 import math
+import re
 import sys
 import time
 
@@ -45,7 +46,10 @@ def usage_error(monkeypatch, capsys, *flags: str) -> str:
 # run one step here. Pipelines run micro-batches of 32 so that activations, not the weights autograd also
 # keeps, dominate what the run measures. The lora_ runs train LoRA adapters of rank 4 beside the frozen model:
 # every weight counts in param_bytes, only the adapters in grad_bytes and optimizer_bytes, and the collectives
-# change with them (FSDP reduce-scatters the adapters' gradients only; TP adds rank-4 all-reduces).
+# change with them (FSDP reduce-scatters the adapters' gradients only; TP adds rank-4 all-reduces). The muon_ runs
+# train with --optimizer muon: one momentum for the 12 hidden matrices in optimizer_bytes, AdamW's state for the rest;
+# its gathers and scatters run in the optimizer step, after the counted forward and backward, so the counted
+# collectives are AdamW's, and the plan's Muon figures are held to the run's `optimizer:` start line instead.
 FSDP_RUN = tuple(test_fsdp.FLAGS)  # the parity tests' runs
 TP_RUN = tuple(test_tp.FLAGS)
 ONE_STEP = ("--max_steps", "1")
@@ -101,7 +105,32 @@ RUNS = {
         [*ONE_STEP, "--batch_size", "16", "--addition_digits", "4", "--lora_r", "4"],
         ["--tp_size", "2", "--batch_size", "16", "--seq_len", "16", "--lora_r", "4"],
     ),
+    "muon_fsdp2": (
+        None,
+        "train_fsdp.py",
+        2,
+        [*ONE_STEP, "--batch_size", "8", "--optimizer", "muon"],
+        ["--dp_shard", "2", "--batch_size", "8", "--seq_len", "13", "--optimizer", "muon"],
+    ),
+    "muon_tp2": (
+        None,
+        "train_tp.py",
+        2,
+        [*ONE_STEP, "--batch_size", "16", "--addition_digits", "4", "--optimizer", "muon"],
+        ["--tp_size", "2", "--batch_size", "16", "--seq_len", "16", "--optimizer", "muon"],
+    ),
+    "muon_lora_tp2": (  # Muon takes the adapters: TP cuts half of them (B of column-wise layers, A of row-wise)
+        None,
+        "train_tp.py",
+        2,
+        [*ONE_STEP, "--batch_size", "16", "--addition_digits", "4", "--lora_r", "4", "--optimizer", "muon"],
+        ["--tp_size", "2", "--batch_size", "16", "--seq_len", "16", "--lora_r", "4", "--optimizer", "muon"],
+    ),
 }
+MUON_LINE = re.compile(
+    r"optimizer: Muon for (\d+) matrices .*?; (\d+) cut matrices made whole each step \((\d+) dealt round-robin, "
+    r"this rank orthogonalising (\d+); (\d+) cut twice, gathered on every rank\): ([\d.]+) MiB received by this rank"
+)
 
 
 @pytest.mark.parametrize(
@@ -111,14 +140,15 @@ RUNS = {
 def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data_cache, shared_run):
     """A real run of the layout; the plan for the same layout gives its state bytes (1%), its
     first-step collectives (calls exactly; bytes exactly but for the pipeline's first-step shape
-    metadata, a few hundred bytes) and, under a pipeline, each stage's activations (25%)."""
+    metadata, a few hundred bytes), under a pipeline each stage's activations (25%), and with Muon
+    what its optimizer step makes whole (the start line's counts exactly, its MiB to its 2 decimals)."""
     group, script, nproc, run_flags, plan_flags = RUNS[name]
     if group:  # the parity tests' runs, one launch per process count
         shared_run.in_turn({"fsdp": test_fsdp, "tp": test_tp}[group].PARITY_RUNS)
-        out = shared_run(script, nproc, *run_flags)
+        out, started = shared_run(script, nproc, *run_flags), None
     else:
         out = tmp_path / name
-        launch_tiny(script, out, data_cache, *run_flags, nproc=nproc)
+        started = launch_tiny(script, out, data_cache, *run_flags, nproc=nproc)
     measured = summary(out)
     degrees = {"--pp_size": "1", "--dp_replicate": "1", "--dp_shard": "1", "--tp_size": "1", "--n_microbatches": "1"}
     degrees.update({f: v for f, v in zip(plan_flags[::2], plan_flags[1::2], strict=True) if f in degrees})
@@ -146,6 +176,18 @@ def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data
         metadata = 0.001 if kind in ("send", "recv") else 0.0
         assert planned[kind]["mib"] - 1e-4 <= figures["mib"] <= planned[kind]["mib"] + 1e-4 + metadata, kind
 
+    if "muon" in record:  # the optimizer step's gathers and scatters: rank 0's start line
+        muon, line = record["muon"], MUON_LINE.search(started.stdout)
+        assert line, started.stdout[-3000:]
+        figures = ("matrices", "cut", "dealt_round_robin", "orthogonalised_rank0", "cut_twice")
+        assert [muon[f] for f in figures] == [int(x) for x in line.groups()[:5]]
+        assert abs(muon["received_mib_rank0"] - float(line[6])) <= 0.005
+        kinds = muon["collectives_per_step_rank0"]
+        assert sum(k["mib"] for k in kinds.values()) == pytest.approx(muon["received_mib_rank0"], abs=2e-4)
+        calls = {"gather": muon["dealt_round_robin"], "scatter": muon["dealt_round_robin"]}
+        calls["all_gather"] = 2 * muon["cut_twice"]  # a matrix cut twice: an all-gather per mesh dimension
+        assert {k: v["calls"] for k, v in kinds.items()} == {k: n for k, n in calls.items() if n}
+
     if "peak_activation_mib_per_rank" in measured:
         planned_mib = [r["pipeline_activation_bytes"] / 2**20 for r in record["per_pp_rank"]]
         for stage, (mine, theirs) in enumerate(zip(planned_mib, measured["peak_activation_mib_per_rank"], strict=True)):
@@ -153,6 +195,29 @@ def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data
 
 
 # ----------------------------------------------------------------------------- the planner alone
+def test_muon_gathers_only_what_is_cut(monkeypatch, capsys):
+    """--optimizer muon on tiny's 12 hidden matrices (98,304 values): DDP keeps them whole (no traffic; their
+    momentum, 4 bytes a value, where AdamW keeps 8); FSDP 2 x TP 2 cuts each twice: an all-gather per mesh
+    dimension, 24 calls of 0.5625 MiB in all (each counted by its full buffer: half the matrix, then all of it),
+    0.2812 MiB received by rank 0, as CollectiveCounter counted MuonAdamW's step on a fake process group of 4
+    ranks. Its time joins the step's: after the backward, nothing hides it."""
+    flags = ("--model_size", "tiny", "--pp_size", "1", "--batch_size", "8", "--n_microbatches", "1")
+    ddp = ("--world_size", "2", "--dp_replicate", "2", "--dp_shard", "1", "--tp_size", "1")
+    adamw, muon = (plan(monkeypatch, capsys, *flags, *ddp, "--optimizer", o)[0] for o in ("adamw", "muon"))
+    saved = adamw["state_bytes_per_rank_max"]["optimizer_bytes"] - muon["state_bytes_per_rank_max"]["optimizer_bytes"]
+    assert saved == 4 * 98304 + 4 * 12  # and no step count
+    assert muon["muon"]["matrices"] == 12 and muon["muon"]["cut"] == 0
+    assert muon["muon"]["collectives_per_step_rank0"] == {} and muon["optimizer_collectives_per_step_rank0"] == []
+    assert muon["optimizer_s"] == 0 and muon["step_time_s"] == adamw["step_time_s"]
+    fsdp_tp = ("--world_size", "4", "--dp_replicate", "1", "--dp_shard", "2", "--tp_size", "2")
+    adamw, muon = (plan(monkeypatch, capsys, *flags, *fsdp_tp, "--optimizer", o)[0] for o in ("adamw", "muon"))
+    assert muon["muon"]["cut_twice"] == 12 and muon["muon"]["received_mib_rank0"] == 0.2812
+    assert muon["muon"]["collectives_per_step_rank0"] == {"all_gather": {"calls": 24, "mib": 0.5625}}
+    assert muon["collectives_first_step_rank0"] == adamw["collectives_first_step_rank0"]
+    assert muon["step_time_s"] == pytest.approx(adamw["step_time_s"] + muon["optimizer_s"], abs=2e-6)
+    assert muon["optimizer_s"] > 0 and "optimizer_collectives_per_step_rank0" in adamw
+
+
 def test_every_valid_layout_is_listed_once(monkeypatch, capsys):
     """tiny (2 layers, 4 heads) on 8 ranks: every pp x dp_replicate x dp_shard x tp = 8 with
     pp <= 2 layers and tp dividing the 4 heads; ranked: fitting first, then by predicted tokens/s."""
