@@ -31,6 +31,7 @@ pytestmark = pytest.mark.xdist_group("lora")
 LORA = ["--lora_r", "4", "--max_steps", "10", "--addition_digits", "4", "--eval_every", "10", "--learning_rate", "1e-2"]
 MOE = ["--n_experts", "4", "--top_k", "2"]
 LLAMA = ["--model_config", "llama"]
+MIXTRAL = ["--model_config", "mixtral"]  # transformers' Mixtral with small defaults (8 experts, top 2)
 SGD = ["--optimizer", "sgd", "--learning_rate", "0.1", "--max_grad_norm", "0"]
 STEPS = list(range(1, 11))
 # name: (script, processes, flags beside LORA, the one-process run's flags beside LORA, layout degrees)
@@ -78,6 +79,36 @@ LAYOUTS = {
         {"tp": 2},
     ),
     "llama_pp": ("train_pp.py", 2, ["--batch_size", "16", *LLAMA], ["--batch_size", "16", *LLAMA], {"pp": 2}),
+    "llama_cp_ring": ("train_cp.py", 2, ["--batch_size", "16", *LLAMA], ["--batch_size", "16", *LLAMA], {"cp": 2}),
+    "llama_cp_ulysses": (
+        "train_cp.py",
+        2,
+        ["--batch_size", "16", "--cp_impl", "ulysses", *LLAMA],
+        ["--batch_size", "16", *LLAMA],
+        {"cp": 2},
+    ),
+    "llama_localsgd": (
+        "train_localsgd.py",
+        2,
+        [*SGD, "--batch_size", "8", "--sync_every", "1", *LLAMA],
+        [*SGD, "--batch_size", "16", *LLAMA],
+        {},
+    ),
+    "llama_hybrid_pp_dp_tp": (
+        "train_hybrid.py",
+        8,
+        ["--batch_size", "8", "--dp_shard", "2", "--pp_size", "2", "--tp_size", "2", *LLAMA],
+        ["--batch_size", "16", *LLAMA],
+        {"pp": 2, "dp_shard": 2, "tp": 2},
+    ),
+    # a 🤗 mixture of experts: its experts (3-D stacks) cut over ep and frozen, adapters on its attention
+    "mixtral_ep": (
+        "train_ep.py",
+        2,
+        ["--batch_size", "8", *MIXTRAL],
+        ["--batch_size", "16", *MIXTRAL],
+        {"dp_shard": 2},
+    ),
 }
 RUNS = [(script, nproc, *LORA, *flags) for script, nproc, flags, _, _ in LAYOUTS.values()]
 
