@@ -18,7 +18,6 @@ import torch.nn as nn
 from .errors import UsageError
 
 ADAPTER = "default"  # PEFT's name for the one adapter a run trains
-BUILTIN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")  # the built-in GPT's
 
 
 def check_lora_args(args) -> None:
