@@ -271,3 +271,13 @@ def test_tp_cuts_each_adapter_to_follow_its_layer():
     assert "down.lora_B.default" not in whole_b  # B whole, a plain weight on the whole result
     with pytest.raises(UsageError, match="--lora_r: the TP plan cuts up with SequenceParallel, which an adapter"):
         lora_tp_plan(model, {"up": SequenceParallel()})
+
+
+def test_a_family_without_projections_is_refused():
+    """A model whose linear layers are not named *proj gets no guessed targets: one line listing its layers."""
+    from common.errors import UsageError
+    from common.lora import default_targets
+
+    model = torch.nn.ModuleDict({"query_key_value": torch.nn.Linear(8, 24), "dense": torch.nn.Linear(8, 8)})
+    with pytest.raises(UsageError, match=r"no linear layer named \*proj.*its linear layers: query_key_value, dense"):
+        default_targets(model)

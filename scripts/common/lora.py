@@ -87,7 +87,7 @@ def apply_lora(model: nn.Module, task, args) -> tuple[nn.Module, object]:
         p.requires_grad_(".lora_A." in name or ".lora_B." in name)
     base = getattr(args, "model_name_or_path", None)
     # the model itself: a strategy cuts it in place (its start line counts what this rank then holds)
-    task.lora = {"config": config, "base": base, "merge": args.merge_lora, "targets": targets, "model": model}
+    task.lora = {"config": config, "base": base, "merge": args.merge_lora, "model": model}
     task.lora.update(export=export_lora, line=lora_line)  # the trial export and the start line call them
     return model, task
 
