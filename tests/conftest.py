@@ -185,6 +185,18 @@ def read_metrics(output_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def local_sgd_reference(flags: list, replicas: int, out: Path, data_cache: str) -> tuple[dict, float]:
+    """tests/localsgd_reference.py: train_localsgd.py's run on `replicas` processes, computed in one process with
+    the replicas side by side (TINY, then `flags`) -> ({step: loss}, the fused model's eval loss)."""
+    result = Path(out) / "reference.json"
+    cmd = [sys.executable, str(REPO / "tests" / "localsgd_reference.py"), "--replicas", str(replicas)]
+    cmd += ["--result", str(result), *TINY, *flags, "--data_cache_dir", data_cache, "--output_dir", str(out)]
+    done = run_cmd(cmd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = json.loads(result.read_text())
+    return {int(step): loss for step, loss in ref["losses"].items()}, ref["eval_loss"]
+
+
 def train_losses(output_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(output_dir) if r["type"] == "train"}
 

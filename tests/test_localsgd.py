@@ -16,6 +16,7 @@ from conftest import (
     free_port,
     launch,
     launch_tiny,
+    local_sgd_reference,
     read_metrics,
     run_cmd,
     run_in_turn,
@@ -98,6 +99,20 @@ def test_sync_every_step_with_sgd_equals_ddp(runs, tmp_path, data_cache):
     launch("train_ddp.py", [*common, "--batch_size", "8", "--output_dir", str(tmp_path / "ddp")], nproc=1)
     local = runs["sync_every_step"]
     assert_same_losses(train_losses(tmp_path / "ddp"), train_losses(local), list(range(1, 11)), tol=2e-6)
+
+
+@K4_GROUP
+@pytest.mark.parametrize("name", ["k4", "diloco_7"])
+def test_run_matches_its_replicas_side_by_side(name, runs, tmp_path, data_cache):
+    """AdamW inside, averaged every 4 steps (k4) or DiLoCo's Nesterov every 3 (diloco_7): 2 processes = the two
+    replicas trained in one process on the micro-batches each rank takes, fused the same way
+    (tests/localsgd_reference.py), within 1e-5 at every step and in the fused model's evaluation."""
+    flags = dict(RUNS)[name]
+    ref_losses, ref_eval = local_sgd_reference(flags, 2, tmp_path, data_cache)
+    steps = sorted(ref_losses)
+    assert_same_losses(ref_losses, train_losses(runs[name]), steps, tol=1e-5)
+    final = [r for r in read_metrics(runs[name]) if r.get("fused_model")]
+    assert len(final) == 1 and abs(final[0]["eval_loss"] - ref_eval) < 1e-5
 
 
 @K4_GROUP

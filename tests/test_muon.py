@@ -13,6 +13,7 @@ from conftest import (
     TINY,
     assert_layout,
     assert_same_losses,
+    local_sgd_reference,
     read_metrics,
     resume_matches,
     run_refused,
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.xdist_group("muon")
 MUON = ["--optimizer", "muon", "--max_steps", "10", "--addition_digits", "4", "--eval_every", "10"]
 MOE = ["--n_experts", "4", "--top_k", "2"]
 LLAMA = ["--model_config", "llama"]
+MIXTRAL = ["--model_config", "mixtral"]  # transformers' Mixtral with small defaults (8 experts, top 2)
 STEPS = list(range(1, 11))
 # name: (script, processes, flags beside MUON, the one-process run's flags beside MUON, layout degrees)
 LAYOUTS = {
@@ -77,11 +79,54 @@ LAYOUTS = {
         ["--n_layer", "4", "--batch_size", "16"],
         {"pp": 2, "tp": 2},
     ),
+    "hybrid_pp_dp_tp": (
+        "train_hybrid.py",
+        8,
+        ["--n_layer", "4", "--batch_size", "8", "--dp_shard", "2", "--pp_size", "2", "--tp_size", "2"],
+        ["--n_layer", "4", "--batch_size", "16"],
+        {"pp": 2, "dp_shard": 2, "tp": 2},
+    ),
     # a 🤗 Llama (transformers' config, small defaults): its head found by get_output_embeddings()
+    "llama_ddp": ("train_ddp.py", 2, ["--batch_size", "8", *LLAMA], ["--batch_size", "16", *LLAMA], {}),
     "llama_fsdp": ("train_fsdp.py", 2, ["--batch_size", "8", *LLAMA], ["--batch_size", "16", *LLAMA], {"dp_shard": 2}),
-    "llama_tp": ("train_tp.py", 2, ["--batch_size", "16", *LLAMA], ["--batch_size", "16", *LLAMA], {"tp": 2}),
+    "llama_tp_sequence_parallel": (
+        "train_tp.py",
+        2,
+        ["--batch_size", "16", "--sequence_parallel", *LLAMA],
+        ["--batch_size", "16", *LLAMA],
+        {"tp": 2},
+    ),
+    "llama_pp": ("train_pp.py", 2, ["--batch_size", "16", *LLAMA], ["--batch_size", "16", *LLAMA], {"pp": 2}),
+    "llama_cp_ring": ("train_cp.py", 2, ["--batch_size", "16", *LLAMA], ["--batch_size", "16", *LLAMA], {"cp": 2}),
+    "llama_cp_ulysses": (
+        "train_cp.py",
+        2,
+        ["--batch_size", "16", "--cp_impl", "ulysses", *LLAMA],
+        ["--batch_size", "16", *LLAMA],
+        {"cp": 2},
+    ),
+    "llama_hybrid_pp_dp_tp": (
+        "train_hybrid.py",
+        8,
+        ["--batch_size", "8", "--dp_shard", "2", "--pp_size", "2", "--tp_size", "2", *LLAMA],
+        ["--batch_size", "16", *LLAMA],
+        {"pp": 2, "dp_shard": 2, "tp": 2},
+    ),
+    # a 🤗 mixture of experts: each expert's matrices (a 3-D stack, cut over ep) orthogonalised where they lie
+    "mixtral_ep": (
+        "train_ep.py",
+        2,
+        ["--batch_size", "8", *MIXTRAL],
+        ["--batch_size", "16", *MIXTRAL],
+        {"dp_shard": 2},
+    ),
 }
+# Local SGD: each replica's inner Muon, fused every 4 steps by DiLoCo's outer Nesterov step. No one-process
+# train_ddp.py run computes that; its reference is tests/localsgd_reference.py, the replicas side by side
+LOCALSGD = ["--batch_size", "8", "--sync_every", "4", "--outer_optimizer", "nesterov"]
+LOCALSGD_RUNS = {"gpt": LOCALSGD, "llama": [*LOCALSGD, *LLAMA]}
 RUNS = [(script, nproc, *MUON, *flags) for script, nproc, flags, _, _ in LAYOUTS.values()]
+RUNS += [("train_localsgd.py", 2, *MUON, *flags) for flags in LOCALSGD_RUNS.values()]
 
 
 def test_newton_schulz_is_torchs_iteration():
@@ -150,6 +195,22 @@ def test_matches_one_process(name, shared_run, reference):
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
     ref_eval, out_eval = (next(r for r in read_metrics(o) if r["type"] == "eval") for o in (ref, out))
     assert abs(ref_eval["eval_loss"] - out_eval["eval_loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("model", list(LOCALSGD_RUNS))
+def test_local_sgd_matches_its_replicas_side_by_side(model, shared_run, reference, tmp_path, data_cache):
+    """train_localsgd.py on 2 processes (inner Muon, outer Nesterov, fusions at 4, 8 and 10) = its two replicas
+    trained in one process on the micro-batches each rank takes, fused the same way: the losses within 1e-5,
+    and the fused model's evaluation. Not DDP's: one-process Muon on the whole batch ends elsewhere."""
+    shared_run.in_turn(RUNS)
+    flags = [*MUON, *LOCALSGD_RUNS[model]]
+    out = shared_run("train_localsgd.py", 2, *flags)
+    ref_losses, ref_eval = local_sgd_reference(flags, 2, tmp_path, data_cache)
+    assert_same_losses(ref_losses, train_losses(out), STEPS, tol=1e-5)
+    out_eval = [r for r in read_metrics(out) if r["type"] == "eval"][-1]
+    assert out_eval["fused_model"] and abs(out_eval["eval_loss"] - ref_eval) < 1e-5
+    ddp = train_losses(reference(*MUON, "--batch_size", "16", *(LLAMA if model == "llama" else [])))
+    assert abs(ddp[10] - ref_losses[10]) > 1e-4, (ddp[10], ref_losses[10])
 
 
 def test_muon_moves_the_loss_differently_from_adamw(shared_run, reference):
