@@ -24,7 +24,8 @@ one you give) is costed the way the training scripts build it, without starting 
     step time: a plain roofline: FLOPs / peak, stretched by the pipeline bubble, plus TP and PP
                transfers (on the critical path) and the part of FSDP/HSDP traffic that computing
                cannot hide; bytes / bus bandwidth + latency per call, per link; --optimizer muon adds the
-               gathers and scatters (or all-gathers) that make its cut matrices whole, after the backward
+               gathers and scatters (or all-gathers) that make its cut matrices whole, after the backward,
+               and the Newton–Schulz FLOPs of the matrices the rank orthogonalises, at the fp32 peak
 
 Layouts that fit come first, fastest first. The tests check the plan against real runs: state
 bytes within 1%, first-step collectives exactly, pipeline activations within 25%. Plan it:
@@ -270,6 +271,7 @@ class RankState:
                     self.matrices.append(
                         {"param_group": placements.index(placement), "cuts": muon_cuts(p, layout)}
                         | {"local": held * rest, "whole": math.prod(p["shape"])}  # rank 0's slice, the matrix
+                        | {"shape": p["shape"]}  # what Newton–Schulz orthogonalises: the whole matrix
                     )
             if p.get("tp_all_reduce"):
                 self.lora_tp[p["tp_all_reduce"]] += 1
@@ -369,7 +371,6 @@ class HFShape:
         self.gated = any("gate" in n.rsplit(".", 2)[-2] for n in names)  # SwiGLU / GeGLU: gate_proj, gate_up_proj
         self.intermediate = config.intermediate_size
         self.moe_layers = sorted({p["block"] for p in self.params if ".experts." in p["name"]})
-        self.expert_numel = sum(math.prod(p["shape"]) for p in self.params if ".experts." in p["name"])
         self.lora_kv = False  # LoRA on k_proj / v_proj: TP cannot copy KV heads (fewer than tp) with adapters
         if lora_r:
             if self.n_experts:
@@ -673,23 +674,41 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
     return step, first
 
 
-def muon_traffic(rank: RankState) -> tuple[Traffic, dict]:
+def newton_schulz_flops(shape: tuple, steps: int) -> int:
+    """FLOPs of common/muon.py's newton_schulz on one update of `shape` (a matrix, or a stack of them in its last
+    two dimensions), its matrix products as torch.utils.flop_counter counts them (2 per multiply-add). X is taken
+    short side first, A x B with A <= B; each of the `steps` iterations runs gram = X Xᵀ (2·A·A·B), the
+    polynomial addmm(G, G, G) = bG + cG² (2·A³) and addmm(X, ·, X) = aX + (bG + cG²)X (2·A·A·B); baddbmm does
+    the same for each matrix of a stack. Left out, as the counter leaves it: the elementwise work (the
+    normalisation, a norm and a division of the A·B values, once; the addmms' scalings and adds), about 1/A of
+    the products' FLOPs: under 2% for a matrix of 64 rows or more (a router of 4 rows: a quarter)."""
+    *stack, rows, cols = shape
+    short, long = min(rows, cols), max(rows, cols)
+    return math.prod(stack) * steps * (4 * short * short * long + 2 * short**3)
+
+
+def muon_traffic(matrices: list[dict], ns_steps: int) -> tuple[Traffic, dict]:
     """--optimizer muon: what one optimizer step sends to make this rank's cut matrices whole for Newton–Schulz
-    (common/muon.py's orthogonalise_all), for the rank whose group ranks are all 0 (the plan's rank), and the
-    figures of the run's `optimizer:` start line. A matrix cut along one mesh dimension is dealt round-robin
-    over the group that cuts it, in the optimizer's order (make_optimizer's groups, one per placement, each in
-    model order): every rank makes one gather (its slice to the owner) and one scatter (its slice back) per
-    matrix, and the owner receives the other slices. Counted here: the bytes rank 0 receives (fp32, unpadded,
-    as the start line counts them): the others' slices in the gathers of the matrices it owns, its own slice
-    in the scatters of the others. A matrix cut along two (FSDP beside TP) is all-gathered on every rank, one
-    all-gather per dimension, each counted by its full buffer (rank 0 receives (n-1)/n of it), as
-    CollectiveCounter counts one. Nothing for a whole matrix (DDP, replicated)."""
-    traffic, dealt, received = Traffic(), {}, 0
+    (common/muon.py's orthogonalise_all), for the rank whose group ranks are all 0 (the plan's rank), the
+    figures of the run's `optimizer:` start line, and the Newton–Schulz FLOPs that rank computes. `matrices`:
+    RankState.matrices (or ep_rank_state's), each with its cuts, rank 0's slice (`local`), what a gather makes
+    whole (`whole`) and what Newton–Schulz orthogonalises (`shape`). A matrix cut along one mesh dimension is
+    dealt round-robin over the group that cuts it, in the optimizer's order (make_optimizer's groups, one per
+    placement, each in model order): every rank makes one gather (its slice to the owner) and one scatter (its
+    slice back) per matrix, and the owner receives the other slices and orthogonalises the matrix. Counted
+    here: the bytes rank 0 receives (fp32, unpadded, as the start line counts them): the others' slices in the
+    gathers of the matrices it owns, its own slice in the scatters of the others. A matrix cut along two (FSDP
+    beside TP) is all-gathered on every rank, one all-gather per dimension, each counted by its full buffer
+    (rank 0 receives (n-1)/n of it), as CollectiveCounter counts one, and orthogonalised on every rank. Nothing
+    sent for a whole matrix (DDP, replicated; an expert stack cut only along its experts), orthogonalised where
+    it lies: under DDP every rank orthogonalises every matrix."""
+    traffic, dealt, received, flops = Traffic(), {}, 0, 0
     figures = dict.fromkeys(("matrices", "cut", "dealt_round_robin", "orthogonalised_rank0", "cut_twice"), 0)
-    for m in sorted(rank.matrices, key=lambda m: m["param_group"]):  # stable: model order inside a group
+    for m in sorted(matrices, key=lambda m: m["param_group"]):  # stable: model order inside a group
         figures["matrices"] += 1
         figures["cut"] += bool(m["cuts"])
         local, whole = m["local"], m["whole"]
+        owner = True  # a whole matrix, or one cut twice: orthogonalised on this rank
         if len(m["cuts"]) == 1:
             group, size = m["cuts"][0]
             dealt[m["cuts"][0]] = n = dealt.get(m["cuts"][0], -1) + 1
@@ -705,9 +724,19 @@ def muon_traffic(rank: RankState) -> tuple[Traffic, dict]:
             traffic.add(first, "all_gather", 1, 4 * local * n1)
             traffic.add(second, "all_gather", 1, 4 * local * n1 * n2)
             received += 4 * (whole - local)
+        flops += newton_schulz_flops(m["shape"], ns_steps) if owner else 0
     figures["received_mib_rank0"] = round(received / MiB, 4)
     figures["collectives_per_step_rank0"] = traffic.by_kind()
+    figures["newton_schulz_flops_rank0"] = flops
     return traffic, figures
+
+
+def newton_schulz_peak(args) -> float:
+    """FLOP/s of the Newton–Schulz iteration, which runs in fp32 under bf16 too (common/muon.py): --peak_tflops
+    in fp32 runs; under bf16, H100's ratio of fp32 to bf16 peak (67 / 989) applied to it."""
+    if args.mixed_precision == "bf16":
+        return args.peak_tflops * 1e12 * PEAK_TFLOPS["no"] / PEAK_TFLOPS["bf16"]
+    return args.peak_tflops * 1e12
 
 
 def collective_seconds(kind: str, nbytes: float, calls: int, size: int, link: dict) -> float:
@@ -752,7 +781,7 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         memory = own["total_bytes"] + pipeline_act + act["recompute"] + act["logits"] + gathered
         step, first = rank_traffic(cfg, layout, rank, pp_rank, args, bf16)
         traffic.append((step, first))
-        optimizer.append(muon_traffic(rank) if args.optimizer == "muon" else (Traffic(), None))
+        optimizer.append(muon_traffic(rank.matrices, args.ns_steps) if args.optimizer == "muon" else (Traffic(), None))
         per_pp_rank.append(
             {
                 "pp_rank": pp_rank,
@@ -779,15 +808,18 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
     compute_s = flops / peak
     bubble = bubble_theory(layout.pp, m, args.stages_per_rank) if layout.pp > 1 else 0.0
     worst = {"exposed": 0.0}
-    for (step, _), (after, _) in zip(traffic, optimizer, strict=True):  # the slowest pipeline rank sets the pace
-        seconds = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "optimizer": 0.0}
+    for (step, _), (after, muon) in zip(traffic, optimizer, strict=True):  # the slowest pipeline rank sets the pace
+        seconds = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "optimizer": 0.0, "newton_schulz": 0.0}
         for (group, kind), (calls, nbytes) in step.items.items():
             t = collective_seconds(kind, nbytes, calls, sizes[group], links[link_names[group]])
             seconds["dp" if group.startswith("dp") else group] += t
         for (group, kind), (calls, nbytes) in after.items.items():  # Muon's, after the backward: nothing hides it
             seconds["optimizer"] += collective_seconds(kind, nbytes, calls, sizes[group], links[link_names[group]])
+        if muon:  # and its Newton–Schulz iterations, after the backward too, in fp32
+            seconds["newton_schulz"] = muon["newton_schulz_flops_rank0"] / newton_schulz_peak(args)
         hidden = 0.0 if args.no_overlap else compute_s  # FSDP and DDP overlap compute (GPUs), not on CPUs
-        exposed = seconds["tp"] + seconds["pp"] + seconds["optimizer"] + max(0.0, seconds["dp"] - hidden)
+        exposed = seconds["tp"] + seconds["pp"] + seconds["optimizer"] + seconds["newton_schulz"]
+        exposed += max(0.0, seconds["dp"] - hidden)
         if exposed >= worst["exposed"]:
             worst = {"exposed": exposed, **seconds}
     ring = ring_traffic(cfg, layout, args, micro_batch, bf16, links)
@@ -830,6 +862,7 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         "pp_s": round(worst.get("pp", 0.0), 6),
         "dp_s": round(worst.get("dp", 0.0), 6),
         "optimizer_s": round(worst.get("optimizer", 0.0), 6),
+        "newton_schulz_s": round(worst.get("newton_schulz", 0.0), 6),
         "step_time_s": round(step_s, 6),
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": round(flops_per_token(cfg, n_params, args.seq_len) * tokens_per_s / (peak * layout.world_size), 4),
@@ -1031,7 +1064,8 @@ def build_args() -> argparse.ArgumentParser:
     g.add_argument(
         "--peak_tflops",
         type=float,
-        help="dense peak TFLOP/s of one GPU (default: H100 SXM, 989 with --mixed_precision bf16, 67 in fp32)",
+        help="dense peak TFLOP/s of one GPU (default: H100 SXM, 989 with --mixed_precision bf16, 67 in fp32); "
+        "--optimizer muon's Newton–Schulz runs in fp32, at 67 / 989 of it under bf16",
     )
     for name, label in (("intra_node", "inside a node"), ("inter_node", "between nodes")):
         default = DEFAULT_LINKS[name]
@@ -1104,7 +1138,15 @@ def build_args() -> argparse.ArgumentParser:
         "--optimizer",
         default="adamw",
         help="adamw | sgd (plain SGD keeps no state) | muon (one fp32 momentum for the hidden matrices, AdamW for "
-        "the rest; the matrices FSDP or TP cut are gathered whole and scattered back after each backward)",
+        "the rest; after each backward the matrices FSDP, TP or EP's FSDP cut are gathered whole and scattered "
+        "back, and each rank's Newton–Schulz FLOPs join the step, at the fp32 peak)",
+    )
+    g.add_argument(
+        "--ns_steps",
+        type=int,
+        default=5,
+        help="as the scripts' flag: --optimizer muon's Newton–Schulz iterations per matrix and step; each costs "
+        "4·A·A·B + 2·A³ FLOPs for an A x B matrix, A <= B",
     )
     g.add_argument(
         "--activation_checkpointing", action="store_true", help="recompute each block's activations in backward"
@@ -1209,8 +1251,6 @@ def check_args(args, hf: HFShape | None = None) -> GPTConfig | HFShape:
         raise UsageError(f"--schedule {args.schedule!r} is not supported: choose {', '.join(SCHEDULES)}")
     if args.mixed_precision not in ("no", "bf16"):
         raise UsageError(f"--mixed_precision {args.mixed_precision!r}: the sharded scripts run no or bf16")
-    if args.optimizer not in ("adamw", "sgd", "muon"):
-        raise UsageError(f"--optimizer {args.optimizer!r} is not supported: use adamw, sgd or muon")
     if args.global_batch_size is not None and args.global_batch_size < 1:
         raise UsageError(f"--global_batch_size must be at least 1 (got {args.global_batch_size})")
     if not args.global_batch_size and args.batch_size % args.n_microbatches:
@@ -1320,38 +1360,91 @@ def moe_config(args) -> GPTConfig:
     return cfg
 
 
+def ep_parameters(cfg) -> tuple[list[dict], int]:
+    """Name, shape, whether an expert's (`.experts.` in the name: a batched (E, ...) weight) and whether Muon
+    takes it (common/muon.py's muon_matrices), of every parameter in model order (model.parameters()'s), read
+    off the meta model; and their count."""
+    if isinstance(cfg, HFShape):  # a 🤗 MoE: its experts' batched weights, read off the meta model
+        params = [{"name": p["name"], "shape": p["shape"], "muon": p["muon"]} for p in cfg.params]
+        total = cfg.n_params
+    else:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        matrices = {id(p) for p in muon_matrices(model)}
+        params = [{"name": n, "shape": tuple(p.shape), "muon": id(p) in matrices} for n, p in model.named_parameters()]
+        total = count_parameters(model)
+    return [p | {"expert": ".experts." in p["name"]} for p in params], total
+
+
+def ep_rank_state(params: list[dict], ep: int, dp: int) -> tuple[dict, list[dict]]:
+    """What rank 0 of train_ep.py holds (the largest shards: torch.chunk gives the first ranks the most), as
+    state_bytes_per_rank_max counts it, and its Muon matrices (muon_traffic's `matrices`). On one process
+    nothing is cut. Else, the parameters that are not experts: FSDP over all dp ranks (Shard(0), one group
+    "dp"); the experts: EP's Shard(0) over the ep ranks of a group ("dp_shard": a stack's dimension, which cuts
+    no matrix) and FSDP's Shard(1) over the dp / ep groups ("dp_replicate", the same process group as "dp" when
+    ep is 1). Optimizer groups: one per placement, in the order the placements first appear (make_optimizer's)."""
+    slices = dp // ep
+    held = {"all": 0, "experts": 0, "muon": 0, "tensors": 0, "muon_tensors": 0}
+    kinds, matrices = [], []
+    for p in params:
+        shape, ndim = p["shape"], len(p["shape"])
+        kind, whole_shape, shards = None, shape, []  # one process: whole, plain tensors
+        local = math.prod(shape)
+        if dp > 1 and p["expert"]:  # mesh dims (dp_replicate, dp_shard): Shard(1), Shard(0)
+            rows = shape[0] // ep
+            local = rows * fsdp_rows(shape[1], slices)[0] * math.prod(shape[2:]) if ndim > 1 else rows
+            shards = [("dp" if ep == 1 else "dp_replicate", slices, 1), ("dp_shard", ep, 0)]
+            kind, whole_shape = "experts", (rows, *shape[1:])  # this ep rank's experts, gathered whole
+        elif dp > 1:
+            local = fsdp_rows(shape[0], dp)[0] * math.prod(shape[1:])
+            kind, shards = "dp", [("dp", dp, 0)]
+        held["all"] += local
+        held["experts"] += local * p["expert"]
+        held["tensors"] += 1
+        if ndim >= 2 and kind not in kinds:
+            kinds.append(kind)
+        if not p["muon"]:
+            continue
+        held["muon"] += local
+        held["muon_tensors"] += 1
+        cuts = [(group, n) for group, n, dim in reversed(shards) if n > 1 and dim >= ndim - 2]  # cutting_dims'
+        whole = math.prod(shape) if len(cuts) > 1 else math.prod(whole_shape)  # cut twice: full_tensor, all of it
+        matrices.append(
+            {"param_group": kinds.index(kind), "cuts": cuts, "local": local, "whole": whole, "shape": whole_shape}
+        )
+    return held, matrices
+
+
+def ep_state_bytes(held: dict, optimizer: str) -> dict:
+    """fp32 parameters and gradients; AdamW two moments and a 4-byte step count per tensor, Muon one momentum
+    for its matrices (RankState.state_bytes' rule)."""
+    muon, muon_tensors = (held["muon"], held["muon_tensors"]) if optimizer == "muon" else (0, 0)
+    optim = 4 * muon + 8 * (held["all"] - muon) + 4 * (held["tensors"] - muon_tensors) if optimizer != "sgd" else 0
+    figures = {"param_bytes": 4 * held["all"], "grad_bytes": 4 * held["all"], "optimizer_bytes": optim}
+    return figures | {"total_bytes": sum(figures.values())}
+
+
 def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
     """train_ep.py on --world_size ranks (all data-parallel), experts cut over ep of them:
-    - state per rank: the parameters that are not experts, FSDP-sharded over all ranks, plus E / ep
-      experts cut again over the dp / ep groups (FSDP along dim 1: E / dp experts' worth per rank),
+    - state per rank (ep_rank_state): the parameters that are not experts, FSDP-sharded over all ranks, plus
+      E / ep experts cut again over the dp / ep groups (FSDP along dim 1: E / dp experts' worth per rank),
       each with its gradient and optimizer state; while a MoE layer computes, its E / ep experts are
       gathered whole (one layer at a time, like FSDP's units);
     - all-to-all per MoE layer and micro-batch: tokens x top_k x n_embd x bytes, twice (dispatch and
       combine), in forward and again in backward; (ep - 1) / ep of it leaves the rank;
-    - active parameters: what a token goes through (top_k experts of E), against the total.
-    --optimizer muon: one momentum for Muon's matrices (the experts' stacks among them), AdamW's two moments for
-    the rest; its gathers and scatters are not costed here (nor are FSDP's collectives)."""
-    if isinstance(cfg, HFShape):  # a 🤗 MoE: its experts' batched weights, read off the meta model
-        total, experts, n_moe = cfg.n_params, cfg.expert_numel, len(cfg.moe_layers)
-        muon = [(".experts." in p["name"], math.prod(p["shape"])) for p in cfg.params if p["muon"]]
-    else:
-        with torch.device("meta"):
-            model = GPT(cfg)
-        total = count_parameters(model)
-        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-        n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
-        matrices = {id(p) for p in muon_matrices(model)}
-        muon = [(".experts." in n, p.numel()) for n, p in model.named_parameters() if id(p) in matrices]
+    - active parameters: what a token goes through (top_k experts of E), against the total;
+    - --optimizer muon (muon_traffic): one momentum for Muon's matrices (the experts' stacks among them), AdamW's
+      two moments for the rest; the matrices FSDP cuts dealt round-robin (a gather and a scatter each), the
+      expert stacks EP alone cuts orthogonalised where they lie; rank 0's Newton–Schulz FLOPs.
+    FSDP's own collectives are not costed here."""
+    params, total = ep_parameters(cfg)
+    experts = sum(math.prod(p["shape"]) for p in params if p["expert"])
+    n_moe = len(cfg.moe_layers) if isinstance(cfg, HFShape) else sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
     slices = args.world_size // ep  # the dp / ep groups that cut each rank's experts again (dim 1)
     active = total - experts * (cfg.n_experts - cfg.top_k) // cfg.n_experts
-
-    def per_state(is_expert: bool, numel: int) -> float:  # parameters, gradients (+ two Adam moments), fp32
-        share = sum(n for e, n in muon if e == is_expert) / max(numel, 1)  # Muon: one moment for its matrices
-        return 2 + {"adamw": 2.0, "muon": 2.0 - share}.get(args.optimizer, 0.0)
-
-    expert_bytes = 4 * experts // args.world_size  # E / ep experts, cut over dp / ep: E / dp experts' worth
+    held, matrices = ep_rank_state(params, ep, args.world_size)
+    state = ep_state_bytes(held, args.optimizer)
     gathered_bytes = 4 * experts // ep // max(n_moe, 1)  # one MoE layer's E / ep experts, whole
-    dense_bytes = 4 * (total - experts) / args.world_size
     act_bytes = 2 if args.mixed_precision == "bf16" else 4
     tokens = args.batch_size * args.seq_len
     a2a_layer = tokens * cfg.top_k * cfg.n_embd * act_bytes * 2 * 2  # dispatch + combine, forward + backward
@@ -1361,8 +1454,29 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
         a2a_step * (ep - 1) / ep / (link["bandwidth_GBps"] * 1e9) + 4 * n_moe * link["latency_us"] * 1e-6
     ) * (ep > 1)  # ep 1: every token stays on its rank
     compute_seconds = 6 * active * tokens / (args.peak_tflops * 1e12)
-    memory = per_state(True, experts) * expert_bytes + per_state(False, total - experts) * dense_bytes
-    memory += 2 * gathered_bytes  # + its weights and gradients
+    memory = state["total_bytes"] + 2 * gathered_bytes  # + one MoE layer's experts, weights and gradients
+    muon = {}
+    if args.optimizer == "muon":  # Muon's gathers and scatters, and Newton–Schulz, after the backward
+        traffic, figures = muon_traffic(matrices, args.ns_steps)
+        layout = Layout(pp=1, dp_replicate=slices, dp_shard=ep, tp=1, world_size=args.world_size)
+        flat = Layout(pp=1, dp_replicate=1, dp_shard=args.world_size, tp=1, world_size=args.world_size)
+        groups = {"dp": (args.world_size, link_of(flat, "dp_shard", args.gpus_per_node))}
+        groups |= {
+            d: (getattr(layout, d), link_of(layout, d, args.gpus_per_node)) for d in ("dp_replicate", "dp_shard")
+        }
+        comm = [
+            {"group": g, "kind": k, "calls": c, "bytes": round(b), "link": groups[g][1]}
+            for (g, k), (c, b) in sorted(traffic.items.items())
+        ]
+        optimizer_s = sum(
+            collective_seconds(k, b, c, groups[g][0], links[groups[g][1]]) for (g, k), (c, b) in traffic.items.items()
+        )
+        muon = {
+            "muon": figures,
+            "optimizer_collectives_per_step_rank0": comm,
+            "optimizer_s": round(optimizer_s, 6),
+            "newton_schulz_s": round(figures["newton_schulz_flops_rank0"] / newton_schulz_peak(args), 6),
+        }
     return {
         "ep": ep,
         "dp": args.world_size,
@@ -1370,9 +1484,10 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
         "experts_per_rank": cfg.n_experts // ep,
         "total_params": total,
         "active_params_per_token": active,
-        "expert_param_bytes_per_rank": expert_bytes,
+        "expert_param_bytes_per_rank": 4 * held["experts"],
         "expert_gathered_bytes_per_layer": gathered_bytes,
-        "state_bytes_per_rank": round(memory),
+        "state_bytes_per_rank_max": state,  # the runs' field
+        "state_bytes_per_rank": memory,
         "fits": memory <= args.gpu_memory_gib * GiB,
         "moe_layers": n_moe,
         "all_to_all_bytes_per_moe_layer": a2a_layer,
@@ -1380,6 +1495,7 @@ def plan_ep(cfg: GPTConfig, args, ep: int, links: dict) -> dict:
         "all_to_all_link": "intra_node" if ep <= args.gpus_per_node else "inter_node",
         "all_to_all_s": a2a_seconds,
         "compute_s": compute_seconds,
+        **muon,
     }
 
 
@@ -1396,11 +1512,13 @@ def ep_main(args, cfg=None) -> None:
         f"plan_layout: {model} model with {cfg.n_experts} experts, top-{cfg.top_k}, in "
         f"{first['moe_layers']} of {cfg.n_layer} blocks: {first['total_params'] / 1e6:.2f}M parameters, "
         f"{first['active_params_per_token'] / 1e6:.2f}M active per token; {args.world_size} data-parallel ranks, "
-        f"{args.batch_size} samples of {args.seq_len} tokens each\n"
+        f"{args.batch_size} samples of {args.seq_len} tokens each, {args.optimizer}\n"
     )
+    muon = args.optimizer == "muon"
     print(
         f"{'ep':>4} {'dp/ep':>6} {'experts/rank':>12} {'expert MiB':>10} {'gathered MiB':>12} {'state GiB':>9} "
         f"{'fits':>4} {'a2a MiB/step':>12} {'a2a ms':>8} {'compute ms':>10}"
+        + (f" {'Muon MiB':>8} {'Muon ms':>8}" * muon)
     )
     for r in records:
         print(
@@ -1409,12 +1527,24 @@ def ep_main(args, cfg=None) -> None:
             f"{r['state_bytes_per_rank'] / GiB:>9.3f} "
             f"{'yes' if r['fits'] else 'NO':>4} {r['all_to_all_bytes_per_step_rank'] / MiB:>12.3f} "
             f"{r['all_to_all_s'] * 1e3:>8.3f} {r['compute_s'] * 1e3:>10.3f}"
+            + (
+                f" {r['muon']['received_mib_rank0']:>8.2f} {(r['optimizer_s'] + r['newton_schulz_s']) * 1e3:>8.3f}"
+                if muon
+                else ""
+            )
         )
     print(
         "experts/rank: those a rank computes (E / ep); expert MiB: the expert weights it keeps (cut over ep, then over "
         "dp / ep); gathered MiB: one MoE layer's E / ep experts, whole while it computes\n"
-        "state: parameters + gradients + optimizer state per rank (activations not counted); a2a: all-to-all bytes "
+        "state: parameters + gradients + optimizer state per rank, plus one MoE layer's gathered experts and their "
+        "gradients (activations not counted); a2a: all-to-all bytes "
         "each rank sends per step (tokens x top_k x n_embd x bytes x 2, forward and backward; (ep-1)/ep leaves it)"
+        + (
+            "\nMuon: what rank 0 receives to make the cut matrices whole (gathers and scatters over FSDP's groups), "
+            "and their time plus its Newton–Schulz iterations' (fp32), after the backward"
+            if muon
+            else ""
+        )
     )
     if args.json:
         print(json.dumps(records))
@@ -1447,8 +1577,17 @@ def check_lora_args(args) -> None:
         )
 
 
+def check_optimizer_args(args) -> None:
+    """--optimizer and --ns_steps as the scripts take them (common/cli.py's checks), dense or MoE."""
+    if args.optimizer not in ("adamw", "sgd", "muon"):
+        raise UsageError(f"--optimizer {args.optimizer!r} is not supported: use adamw, sgd or muon")
+    if args.ns_steps < 1:
+        raise UsageError(f"--ns_steps must be at least 1 (got {args.ns_steps}): Newton–Schulz needs one iteration")
+
+
 def main():
     args = build_args().parse_args()
+    check_optimizer_args(args)
     check_lora_args(args)
     hf = hf_model(args) if args.model_config else None  # a 🤗 config, built on the meta device
     if args.n_experts or (hf and hf.n_experts):  # a mixture of experts: train_ep.py's layouts (experts over ep)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, SCRIPTS, launch_tiny, run_cmd, summary
+from conftest import REPO, SCRIPTS, TINY, launch_tiny, run_cmd, run_in_turn, summary
 
 sys.path.insert(0, str(SCRIPTS))
 import plan_layout
@@ -200,7 +200,7 @@ def test_muon_gathers_only_what_is_cut(monkeypatch, capsys):
     momentum, 4 bytes a value, where AdamW keeps 8); FSDP 2 x TP 2 cuts each twice: an all-gather per mesh
     dimension, 24 calls of 0.5625 MiB in all (each counted by its full buffer: half the matrix, then all of it),
     0.2812 MiB received by rank 0, as CollectiveCounter counted MuonAdamW's step on a fake process group of 4
-    ranks. Its time joins the step's: after the backward, nothing hides it."""
+    ranks. Its time joins the step's, and so does Newton–Schulz's: after the backward, nothing hides them."""
     flags = ("--model_size", "tiny", "--pp_size", "1", "--batch_size", "8", "--n_microbatches", "1")
     ddp = ("--world_size", "2", "--dp_replicate", "2", "--dp_shard", "1", "--tp_size", "1")
     adamw, muon = (plan(monkeypatch, capsys, *flags, *ddp, "--optimizer", o)[0] for o in ("adamw", "muon"))
@@ -208,14 +208,99 @@ def test_muon_gathers_only_what_is_cut(monkeypatch, capsys):
     assert saved == 4 * 98304 + 4 * 12  # and no step count
     assert muon["muon"]["matrices"] == 12 and muon["muon"]["cut"] == 0
     assert muon["muon"]["collectives_per_step_rank0"] == {} and muon["optimizer_collectives_per_step_rank0"] == []
-    assert muon["optimizer_s"] == 0 and muon["step_time_s"] == adamw["step_time_s"]
+    assert muon["optimizer_s"] == 0 and muon["newton_schulz_s"] > 0
+    assert muon["step_time_s"] == pytest.approx(adamw["step_time_s"] + muon["newton_schulz_s"], abs=2e-6)
     fsdp_tp = ("--world_size", "4", "--dp_replicate", "1", "--dp_shard", "2", "--tp_size", "2")
     adamw, muon = (plan(monkeypatch, capsys, *flags, *fsdp_tp, "--optimizer", o)[0] for o in ("adamw", "muon"))
     assert muon["muon"]["cut_twice"] == 12 and muon["muon"]["received_mib_rank0"] == 0.2812
     assert muon["muon"]["collectives_per_step_rank0"] == {"all_gather": {"calls": 24, "mib": 0.5625}}
     assert muon["collectives_first_step_rank0"] == adamw["collectives_first_step_rank0"]
-    assert muon["step_time_s"] == pytest.approx(adamw["step_time_s"] + muon["optimizer_s"], abs=2e-6)
+    exposed = muon["optimizer_s"] + muon["newton_schulz_s"]
+    assert muon["step_time_s"] == pytest.approx(adamw["step_time_s"] + exposed, abs=3e-6)
     assert muon["optimizer_s"] > 0 and "optimizer_collectives_per_step_rank0" in adamw
+
+
+def counted_flops(shape: tuple, steps: int = 5) -> int:
+    """What torch's FlopCounterMode counts for common/muon.py's newton_schulz on one update of `shape`."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from common.muon import newton_schulz
+
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(torch.randn(shape), steps)
+    return counter.get_total_flops()
+
+
+def test_newton_schulz_flops_join_the_step(monkeypatch, capsys):
+    """The planner's Newton–Schulz FLOPs are those FlopCounterMode counts running newton_schulz (a wide, a tall and
+    a small matrix, an expert stack; 5 and 3 iterations). DDP 2: every rank orthogonalises tiny's 12 matrices
+    (whole replicas, no owners); FSDP 2 deals them round-robin, rank 0 orthogonalising 6 of them: half the FLOPs
+    (tiny's matrices alternate, so exactly half). Their time, at the fp32 peak (the iteration runs in fp32, under
+    bf16 too: 67 / 989 of the bf16 peak), joins the step after the backward: Muon's step exceeds AdamW's by it."""
+    for shape, steps in (((64, 256), 5), ((256, 64), 5), ((4, 64), 5), ((2, 64, 128), 5), ((64, 256), 3)):
+        assert plan_layout.newton_schulz_flops(shape, steps) == counted_flops(shape, steps), shape
+    every = 2 * (4 * counted_flops((64, 64)) + counted_flops((256, 64)) + counted_flops((64, 256)))
+    flags = ("--model_size", "tiny", "--world_size", "2", "--pp_size", "1", "--tp_size", "1", "--batch_size", "8")
+    flags += ("--n_microbatches", "1", "--peak_tflops", "0.001")  # 1 GFLOP/s: seconds of Newton–Schulz, not 1e-6
+    ddp, fsdp = ("--dp_replicate", "2", "--dp_shard", "1"), ("--dp_replicate", "1", "--dp_shard", "2")
+    for layout, flops in ((ddp, every), (fsdp, every // 2)):
+        adamw, muon = (plan(monkeypatch, capsys, *flags, *layout, "--optimizer", o)[0] for o in ("adamw", "muon"))
+        assert muon["muon"]["newton_schulz_flops_rank0"] == flops, layout
+        assert muon["newton_schulz_s"] == pytest.approx(flops / 1e9, abs=1e-6)
+        assert muon["step_time_s"] >= adamw["step_time_s"] + muon["optimizer_s"] + flops / 1e9 - 1e-6
+    three = plan(monkeypatch, capsys, *flags, *fsdp, "--optimizer", "muon", "--ns_steps", "3")[0]["muon"]
+    assert three["orthogonalised_rank0"] == 6 and three["newton_schulz_flops_rank0"] == every // 2 * 3 // 5
+    for precision, peak in (("no", "0.067"), ("bf16", "0.989")):  # 67 GFLOP/s in fp32 either way
+        given = ("--optimizer", "muon", "--peak_tflops", peak, "--mixed_precision", precision)
+        record = plan(monkeypatch, capsys, *flags[:-2], *ddp, *given)[0]
+        assert record["newton_schulz_s"] == pytest.approx(every / 0.067e12, rel=1e-3), precision
+
+
+# train_ep.py with --optimizer muon, 2 processes, one step each, run in turn in one launch: (run flags, plan flags)
+EP_MUON_RUNS = {
+    "ep2": (["--n_experts", "4", "--top_k", "2"], ["--n_experts", "4", "--top_k", "2", "--ep_size", "2"]),
+    "ep1": (
+        ["--n_experts", "4", "--top_k", "2", "--ep_size", "1"],
+        ["--n_experts", "4", "--top_k", "2", "--ep_size", "1"],
+    ),
+    "mixtral_ep2": (["--model_config", "mixtral"], ["--model_config", "mixtral", "--ep_size", "2"]),
+}
+
+
+def test_ep_muon_plan_matches_the_measured_runs(monkeypatch, capsys, tmp_path, data_cache):
+    """train_ep.py --optimizer muon on 2 processes (the tiny GPT with 4 experts, top-2, at ep 2 and ep 1, and
+    Mixtral's small 🤗 config at ep 2): the plan's state bytes are the run's, to the byte, and its Muon figures those
+    of the run's `optimizer:` start line. At ep 2 the 4 expert stacks are cut along their experts only: each rank
+    orthogonalises its own 2 experts of each where they lie, and only the 10 matrices FSDP cuts (attention and
+    router) are dealt round-robin over the 2 ranks; at ep 1 FSDP cuts the stacks' rows, and they are dealt over the
+    same group, after the rest. Rank 0's Newton–Schulz FLOPs at ep 2: its 5 dealt matrices (q and v of each block,
+    block 0's router: every other one in model order) and its 2 experts of each stack, as FlopCounterMode counts."""
+    cases = [
+        [str(SCRIPTS / "train_ep.py"), [*TINY, *ONE_STEP, "--batch_size", "8", "--optimizer", "muon", *run_flags]]
+        for run_flags, _ in EP_MUON_RUNS.values()
+    ]
+    for case, name in zip(cases, EP_MUON_RUNS, strict=True):
+        case[1] += ["--data_cache_dir", data_cache, "--output_dir", str(tmp_path / name)]
+    results = run_in_turn(cases, 2, tmp_path / "in_turn")
+    records = {}
+    for (name, (_, plan_flags)), result in zip(EP_MUON_RUNS.items(), results, strict=True):
+        assert result["returncode"] == 0, f"{name}: {result['stderr'][-3000:]}"
+        measured = summary(tmp_path / name)
+        flags = ("--model_size", "tiny", "--world_size", "2", "--batch_size", "8", "--seq_len", "13")
+        records[name] = record = plan(monkeypatch, capsys, *flags, *plan_flags, "--optimizer", "muon")[0]
+        assert record["state_bytes_per_rank_max"] == measured["state_bytes_per_rank_max"], name
+        muon, line = record["muon"], MUON_LINE.search(result["stdout"])
+        assert line, result["stdout"][-3000:]
+        figures = ("matrices", "cut", "dealt_round_robin", "orthogonalised_rank0", "cut_twice")
+        assert [muon[f] for f in figures] == [int(x) for x in line.groups()[:5]], name
+        assert abs(muon["received_mib_rank0"] - float(line[6])) <= 0.005, name
+    assert [records["ep2"]["muon"][f] for f in ("matrices", "cut", "orthogonalised_rank0")] == [14, 10, 5]
+    assert {c["group"] for c in records["ep2"]["optimizer_collectives_per_step_rank0"]} == {"dp"}
+    assert [records["ep1"]["muon"][f] for f in ("cut", "dealt_round_robin", "orthogonalised_rank0")] == [14, 14, 7]
+    mine = 4 * counted_flops((64, 64)) + counted_flops((4, 64)) + 2 * counted_flops((2, 64, 128))
+    assert records["ep2"]["muon"]["newton_schulz_flops_rank0"] == mine + 2 * counted_flops((2, 128, 64))
+    assert records["ep2"]["newton_schulz_s"] > 0 and records["ep2"]["optimizer_s"] > 0
 
 
 def test_every_valid_layout_is_listed_once(monkeypatch, capsys):
@@ -324,6 +409,8 @@ def test_json_is_the_last_line_and_1b_on_1024_gpus_takes_seconds(monkeypatch, ca
         (["--world_size", "8", "--seq_len", "4096"], "--seq_len 4096 exceeds"),
         (["--world_size", "8", "--network", str(REPO / "tests" / "data" / "missing.json")], "--network"),
         (["--world_size", "8", "--network", str(REPO / "README.md")], "--network"),
+        (["--world_size", "8", "--optimizer", "muon", "--ns_steps", "0"], "--ns_steps must be at least 1 (got 0)"),
+        (["--world_size", "2", "--n_experts", "4", "--optimizer", "lion"], "--optimizer 'lion' is not supported"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_flag(flags, says, monkeypatch, capsys):

@@ -235,8 +235,15 @@ def muon_line(optimizer: MuonAdamW) -> str:
     cut = [p for p in muon if cuts_a_matrix(p)]
     dealt = {id(p) for p in cut if id(p) in optimizer.plan}
     mine = {i for i in dealt if dist.get_rank(optimizer.plan[i][0]) == optimizer.plan[i][2]}
+
+    def gathered(p) -> int:  # what a gather makes whole: the matrix, or this rank's experts' (a stack cut twice)
+        if id(p) not in dealt:
+            return p.numel()  # cut twice: all of it, on every rank
+        dim, held = optimizer.plan[id(p)][1], local(p).shape
+        return math.prod(held[:dim]) * p.shape[dim] * math.prod(held[dim + 1 :])
+
     received = sum(  # fp32 values: an owner gets the other slices, the others their slice back
-        4 * (local(p).numel() if id(p) in dealt and id(p) not in mine else p.numel() - local(p).numel()) for p in cut
+        4 * (local(p).numel() if id(p) in dealt and id(p) not in mine else gathered(p) - local(p).numel()) for p in cut
     )
     whole = (
         f"{len(cut)} cut matrices made whole each step ({len(dealt)} dealt round-robin, this rank "
