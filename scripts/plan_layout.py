@@ -687,6 +687,9 @@ def newton_schulz_flops(shape: tuple, steps: int) -> int:
     return math.prod(stack) * steps * (4 * short * short * long + 2 * short**3)
 
 
+FLATTENED = "dp_shard_tp"  # common/muon.py's group for the matrices FSDP and TP both cut (DeviceMesh._flatten)
+
+
 def muon_traffic(matrices: list[dict], ns_steps: int) -> tuple[Traffic, dict]:
     """--optimizer muon: what one optimizer step sends to make this rank's cut matrices whole for Newton–Schulz
     (common/muon.py's orthogonalise_all), for the rank whose group ranks are all 0 (the plan's rank), the
@@ -698,8 +701,8 @@ def muon_traffic(matrices: list[dict], ns_steps: int) -> tuple[Traffic, dict]:
     slice back) per matrix, and the owner receives the other slices and orthogonalises the matrix. Counted
     here: the bytes rank 0 receives (fp32, unpadded, as the start line counts them): the others' slices in the
     gathers of the matrices it owns, its own slice in the scatters of the others. A matrix cut along two (FSDP
-    beside TP) is all-gathered on every rank, one all-gather per dimension, each counted by its full buffer
-    (rank 0 receives (n-1)/n of it), as CollectiveCounter counts one, and orthogonalised on every rank. Nothing
+    beside TP) is dealt the same way over one group flattened from both (FLATTENED, dp_shard x tp ranks), with
+    its own count (`cut_twice`, the matrices gathered on every rank, is then 0). Nothing
     sent for a whole matrix (DDP, replicated; an expert stack cut only along its experts), orthogonalised where
     it lies: under DDP every rank orthogonalises every matrix."""
     traffic, dealt, received, flops = Traffic(), {}, 0, 0
@@ -718,12 +721,15 @@ def muon_traffic(matrices: list[dict], ns_steps: int) -> tuple[Traffic, dict]:
             traffic.add(group, "gather", 1, 4 * (whole - local) if owner else 0)
             traffic.add(group, "scatter", 1, 0 if owner else 4 * local)
             received += 4 * (whole - local) if owner else 4 * local
-        elif m["cuts"]:
-            (first, n1), (second, n2) = m["cuts"]
-            figures["cut_twice"] += 1
-            traffic.add(first, "all_gather", 1, 4 * local * n1)
-            traffic.add(second, "all_gather", 1, 4 * local * n1 * n2)
-            received += 4 * (whole - local)
+        elif m["cuts"]:  # cut twice: dealt over one group flattened from both (dp_shard x tp), counted apart
+            (_, n1), (_, n2) = m["cuts"]
+            dealt[FLATTENED] = n = dealt.get(FLATTENED, -1) + 1
+            owner = n % (n1 * n2) == 0
+            figures["dealt_round_robin"] += 1
+            figures["orthogonalised_rank0"] += owner
+            traffic.add(FLATTENED, "gather", 1, 4 * (whole - local) if owner else 0)
+            traffic.add(FLATTENED, "scatter", 1, 0 if owner else 4 * local)
+            received += 4 * (whole - local) if owner else 4 * local
         flops += newton_schulz_flops(m["shape"], ns_steps) if owner else 0
     figures["received_mib_rank0"] = round(received / MiB, 4)
     figures["collectives_per_step_rank0"] = traffic.by_kind()
@@ -800,6 +806,9 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
     # ---- the step time: roofline compute, the bubble, and the links' share
     sizes = {"tp": layout.tp, "pp": layout.pp, "dp_shard": layout.dp_shard, "dp_replicate": layout.dp_replicate}
     link_names = {group: link_of(layout, group, args.gpus_per_node) for group in sizes}
+    flat = layout.dp_shard * layout.tp  # Muon's FLATTENED group: contiguous ranks, tp innermost
+    flat_link = "intra_node" if args.gpus_per_node % flat == 0 else "inter_node"
+    optimizer_sizes, optimizer_links = sizes | {FLATTENED: flat}, link_names | {FLATTENED: flat_link}
     tokens_per_replica = args.batch_size * args.seq_len
     flops = flops_per_token(cfg, n_params, args.seq_len) * tokens_per_replica / (layout.pp * layout.tp * layout.cp)
     if args.activation_checkpointing:
@@ -814,7 +823,8 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
             t = collective_seconds(kind, nbytes, calls, sizes[group], links[link_names[group]])
             seconds["dp" if group.startswith("dp") else group] += t
         for (group, kind), (calls, nbytes) in after.items.items():  # Muon's, after the backward: nothing hides it
-            seconds["optimizer"] += collective_seconds(kind, nbytes, calls, sizes[group], links[link_names[group]])
+            link = links[optimizer_links[group]]
+            seconds["optimizer"] += collective_seconds(kind, nbytes, calls, optimizer_sizes[group], link)
         if muon:  # and its Newton–Schulz iterations, after the backward too, in fp32
             seconds["newton_schulz"] = muon["newton_schulz_flops_rank0"] / newton_schulz_peak(args)
         hidden = 0.0 if args.no_overlap else compute_s  # FSDP and DDP overlap compute (GPUs), not on CPUs
@@ -837,7 +847,7 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
                 "kind": kind,
                 "calls": calls,
                 "bytes": round(nbytes),
-                "link": link_names[group],
+                "link": optimizer_links[group],
             }
             for (group, kind), (calls, nbytes) in sorted(items.items.items())
         ]

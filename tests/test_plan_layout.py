@@ -112,6 +112,13 @@ RUNS = {
         [*ONE_STEP, "--batch_size", "8", "--optimizer", "muon"],
         ["--dp_shard", "2", "--batch_size", "8", "--seq_len", "13", "--optimizer", "muon"],
     ),
+    "muon_fsdp2_tp2": (  # every matrix cut twice: dealt over one group flattened from dp_shard x tp (4 ranks)
+        None,
+        "train_hybrid.py",
+        4,
+        [*ONE_STEP, "--dp_shard", "2", "--tp_size", "2", "--batch_size", "8", "--optimizer", "muon"],
+        ["--dp_shard", "2", "--tp_size", "2", "--batch_size", "8", "--seq_len", "13", "--optimizer", "muon"],
+    ),
     "muon_tp2": (
         None,
         "train_tp.py",
@@ -197,10 +204,10 @@ def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data
 # ----------------------------------------------------------------------------- the planner alone
 def test_muon_gathers_only_what_is_cut(monkeypatch, capsys):
     """--optimizer muon on tiny's 12 hidden matrices (98,304 values): DDP keeps them whole (no traffic; their
-    momentum, 4 bytes a value, where AdamW keeps 8); FSDP 2 x TP 2 cuts each twice: an all-gather per mesh
-    dimension, 24 calls of 0.5625 MiB in all (each counted by its full buffer: half the matrix, then all of it),
-    0.2812 MiB received by rank 0, as CollectiveCounter counted MuonAdamW's step on a fake process group of 4
-    ranks. Its time joins the step's, and so does Newton–Schulz's: after the backward, nothing hides them."""
+    momentum, 4 bytes a value, where AdamW keeps 8); FSDP 2 x TP 2 cuts each twice: dealt over one group of the
+    4 ranks, rank 0 owning 3 (a gather and a scatter each, 0.1172 MiB received by rank 0: 3/4 of the 3 it owns,
+    1/4 of the 9 others; the run's start line is held to it in test_plan_matches_the_measured_run). Its time
+    joins the step's, and so does Newton–Schulz's: after the backward, nothing hides them."""
     flags = ("--model_size", "tiny", "--pp_size", "1", "--batch_size", "8", "--n_microbatches", "1")
     ddp = ("--world_size", "2", "--dp_replicate", "2", "--dp_shard", "1", "--tp_size", "1")
     adamw, muon = (plan(monkeypatch, capsys, *flags, *ddp, "--optimizer", o)[0] for o in ("adamw", "muon"))
@@ -212,8 +219,10 @@ def test_muon_gathers_only_what_is_cut(monkeypatch, capsys):
     assert muon["step_time_s"] == pytest.approx(adamw["step_time_s"] + muon["newton_schulz_s"], abs=2e-6)
     fsdp_tp = ("--world_size", "4", "--dp_replicate", "1", "--dp_shard", "2", "--tp_size", "2")
     adamw, muon = (plan(monkeypatch, capsys, *flags, *fsdp_tp, "--optimizer", o)[0] for o in ("adamw", "muon"))
-    assert muon["muon"]["cut_twice"] == 12 and muon["muon"]["received_mib_rank0"] == 0.2812
-    assert muon["muon"]["collectives_per_step_rank0"] == {"all_gather": {"calls": 24, "mib": 0.5625}}
+    assert muon["muon"]["cut_twice"] == 0 and muon["muon"]["received_mib_rank0"] == 0.1172
+    assert muon["muon"]["dealt_round_robin"] == 12 and muon["muon"]["orthogonalised_rank0"] == 3
+    gathers = {"gather": {"calls": 12, "mib": 0.0352}, "scatter": {"calls": 12, "mib": 0.082}}
+    assert muon["muon"]["collectives_per_step_rank0"] == gathers
     assert muon["collectives_first_step_rank0"] == adamw["collectives_first_step_rank0"]
     exposed = muon["optimizer_s"] + muon["newton_schulz_s"]
     assert muon["step_time_s"] == pytest.approx(adamw["step_time_s"] + exposed, abs=3e-6)

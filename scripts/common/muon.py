@@ -18,6 +18,7 @@ part the layouts by more than 1e-5."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,17 +64,65 @@ def cuts_a_matrix(p: torch.Tensor) -> bool:
     return bool(cutting_dims(p))
 
 
+class Deal(NamedTuple):
+    """A cut matrix's owner and how its slices make it whole: `dim`, the tensor dimension one mesh dimension
+    cuts (the slices' lengths `sizes`, torch.chunk's rule); or, for a matrix cut along two (FSDP beside TP),
+    dim None: each rank's values flattened (`sizes` of them), placed by `indices`, the flat positions of
+    every rank's values in the matrix (on the owner; None on the others)."""
+
+    group: object
+    dim: int | None
+    owner: int
+    sizes: list
+    indices: list | None = None
+
+
 def owners(params: list) -> dict:
-    """{id(p): (the group that cuts p, tensor dim, owner's rank in the group)} for each matrix cut along
-    one mesh dimension: dealt round-robin over the group's ranks, in parameter order (the same on every
-    rank), so each rank orthogonalises 1/N of them. A matrix cut along two (dp_shard x tp) is absent."""
+    """{id(p): Deal} for each cut matrix: dealt round-robin over the ranks that cut it, in parameter order
+    (the same on every rank), so each rank orthogonalises 1/N of them. A matrix cut along two mesh dimensions
+    (dp_shard x tp) is dealt over one group flattened from both; where the mesh has no such group, it is
+    absent (gathered on every rank). Collective on each group: a cut-twice matrix's positions go to its owner."""
     dealt, plan = {}, {}
     for p in params:
-        if len(dims := cutting_dims(p)) == 1 and type(p.placements[dims[0]]) is Shard:
-            group = p.device_mesh.get_group(dims[0])
-            n = dealt[group] = dealt.get(group, -1) + 1
-            plan[id(p)] = (group, p.placements[dims[0]].dim % p.ndim, n % dist.get_world_size(group))
+        dims = cutting_dims(p)
+        if len(dims) == 1 and type(p.placements[dims[0]]) is Shard:
+            group, dim = p.device_mesh.get_group(dims[0]), p.placements[dims[0]].dim % p.ndim
+        elif len(dims) > 1 and (group := flattened_group(p, dims)) is not None:
+            dim = None
+        else:
+            continue
+        n = dealt[group] = dealt.get(group, -1) + 1
+        owner, size = n % dist.get_world_size(group), dist.get_world_size(group)
+        if dim is not None:
+            plan[id(p)] = Deal(group, dim, owner, slice_sizes(p, dim, size))
+        else:
+            plan[id(p)] = Deal(group, None, owner, *positions(p, group, owner))
     return plan
+
+
+def flattened_group(p: DTensor, dims: list[int]):
+    """One process group over the mesh dimensions `dims` that cut p (DeviceMesh._flatten, as the layout's
+    dp_shard_cp), or None where the mesh cannot make one."""
+    mesh = p.device_mesh
+    names = tuple(mesh.mesh_dim_names[i] for i in dims) if mesh.mesh_dim_names else ()
+    try:
+        return mesh[names]._flatten("_".join(names)).get_group()
+    except (KeyError, RuntimeError, ValueError, NotImplementedError):
+        return None
+
+
+def positions(p: DTensor, group, owner: int) -> tuple[list, list | None]:
+    """Each rank's value count, and on the owner the flat positions of each rank's values in the matrix: the
+    positions cut as the matrix is (distribute_tensor without communication), then gathered once."""
+    whole = torch.arange(p.numel(), device=p.to_local().device).view(p.shape)
+    mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local().reshape(-1)
+    counts = [torch.zeros(1, dtype=torch.int64, device=mine.device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, torch.tensor([mine.numel()], device=mine.device), group=group)
+    sizes = [int(c) for c in counts]
+    bucket = [torch.empty(max(sizes), dtype=mine.dtype, device=mine.device) for _ in sizes]
+    is_owner = dist.get_rank(group) == owner
+    dist.gather(padded(mine, 0, max(sizes)), bucket if is_owner else None, group=group, group_dst=owner)
+    return sizes, [b[:n] for b, n in zip(bucket, sizes, strict=True)] if is_owner else None
 
 
 def slice_sizes(p: DTensor, dim: int, n: int) -> list[int]:
@@ -88,40 +137,60 @@ def padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
 
 
 def orthogonalise_all(pairs: list, plan: dict, steps: int) -> list:
-    """Newton–Schulz of each (parameter, this rank's part of its update), as this rank's part. A matrix cut
-    along one mesh dimension: its slices gathered on its owner, orthogonalised there, the owner's result
-    cut and scattered back (round-robin: the work split over the ranks). Cut along two: gathered on every
+    """Newton–Schulz of each (parameter, this rank's part of its update), as this rank's part. A cut matrix:
+    its slices gathered on its owner, orthogonalised there, the owner's result cut and scattered back
+    (round-robin: the work split over the ranks). Cut along two where no group spans both: gathered on every
     rank (all-gather), orthogonalised everywhere, each rank keeping its slice. Whole: where it lies."""
     results, gathers, scatters = [None] * len(pairs), [], []
     for i, (p, update) in enumerate(pairs):
         if not cuts_a_matrix(p):  # whole matrices (or a stack's) on this rank: orthogonalised where they lie
             results[i] = newton_schulz(update, steps)
         elif id(p) in plan:  # MUON: 1. every slice to the matrix's owner (gather)
-            group, dim, owner = plan[id(p)]
-            sizes = slice_sizes(p, dim, dist.get_world_size(group))
-            mine = padded(update, dim, max(sizes))
-            bucket = [torch.empty_like(mine) for _ in sizes] if dist.get_rank(group) == owner else None
-            gathers.append(
-                (i, dim, sizes, bucket, dist.gather(mine, bucket, group=group, group_dst=owner, async_op=True))
-            )
+            deal = plan[id(p)]
+            flat = deal.dim is None  # cut along two: this rank's values, flattened
+            mine = padded(update.reshape(-1) if flat else update, deal.dim or 0, max(deal.sizes))
+            bucket = [torch.empty_like(mine) for _ in deal.sizes] if dist.get_rank(deal.group) == deal.owner else None
+            work = dist.gather(mine, bucket, group=deal.group, group_dst=deal.owner, async_op=True)
+            gathers.append((i, bucket, work))
         else:  # MUON: cut along two mesh dimensions: the all-gather; every rank gets the whole matrix
             cut = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             whole = newton_schulz(cut.full_tensor(), steps)
             results[i] = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
-    for i, dim, sizes, bucket, work in gathers:
+    for i, bucket, work in gathers:
         work.wait()
         p, update = pairs[i]
-        group, _, owner = plan[id(p)]
-        pieces = None
+        deal, pieces = plan[id(p)], None
         if bucket is not None:  # MUON: 2. the owner orthogonalises the whole matrix, cuts it again
-            whole = torch.cat([b.narrow(dim, 0, n) for b, n in zip(bucket, sizes, strict=True)], dim)
-            pieces = [padded(t, dim, max(sizes)) for t in newton_schulz(whole, steps).split(sizes, dim)]
-        out = torch.empty_like(padded(update, dim, max(sizes)), dtype=torch.float32)
-        scatters.append((i, dim, sizes, out, dist.scatter(out, pieces, group=group, group_src=owner, async_op=True)))
-    for i, dim, sizes, out, work in scatters:  # MUON: 3. each rank receives its slice
+            pieces = [padded(t, deal.dim or 0, max(deal.sizes)) for t in cut_again(p, deal, bucket, steps)]
+        out = torch.empty(mine_shape(update, deal), dtype=torch.float32, device=update.device)
+        work = dist.scatter(out, pieces, group=deal.group, group_src=deal.owner, async_op=True)
+        scatters.append((i, out, work))
+    for i, out, work in scatters:  # MUON: 3. each rank receives its slice
         work.wait()
-        results[i] = out.narrow(dim, 0, sizes[dist.get_rank(plan[id(pairs[i][0])][0])])
+        p, update = pairs[i]
+        deal = plan[id(p)]
+        n = deal.sizes[dist.get_rank(deal.group)]
+        results[i] = out.narrow(deal.dim or 0, 0, n).view(update.shape)
     return results
+
+
+def mine_shape(update: torch.Tensor, deal: Deal) -> tuple:
+    """The shape of a padded slice (what the gather and the scatter move)."""
+    if deal.dim is None:
+        return (max(deal.sizes),)
+    return tuple(max(deal.sizes) if d == deal.dim else n for d, n in enumerate(update.shape))
+
+
+def cut_again(p: DTensor, deal: Deal, bucket: list, steps: int) -> list:
+    """On the owner: the gathered slices made whole, orthogonalised, and cut again as they came."""
+    if deal.dim is not None:
+        whole = torch.cat([b.narrow(deal.dim, 0, n) for b, n in zip(bucket, deal.sizes, strict=True)], deal.dim)
+        return list(newton_schulz(whole, steps).split(deal.sizes, deal.dim))
+    values = torch.cat([b[:n] for b, n in zip(bucket, deal.sizes, strict=True)]).float()
+    whole = torch.empty(p.numel(), dtype=torch.float32, device=values.device)
+    whole[torch.cat(deal.indices)] = values  # each rank's values where they lie in the matrix
+    result = newton_schulz(whole.view(p.shape), steps).reshape(-1)
+    return [result[where] for where in deal.indices]
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -234,12 +303,12 @@ def muon_line(optimizer: MuonAdamW) -> str:
     rest = [p for g in optimizer.param_groups if not g["muon"] for p in g["params"]]
     cut = [p for p in muon if cuts_a_matrix(p)]
     dealt = {id(p) for p in cut if id(p) in optimizer.plan}
-    mine = {i for i in dealt if dist.get_rank(optimizer.plan[i][0]) == optimizer.plan[i][2]}
+    mine = {i for i in dealt if dist.get_rank(optimizer.plan[i].group) == optimizer.plan[i].owner}
 
     def gathered(p) -> int:  # what a gather makes whole: the matrix, or this rank's experts' (a stack cut twice)
-        if id(p) not in dealt:
-            return p.numel()  # cut twice: all of it, on every rank
-        dim, held = optimizer.plan[id(p)][1], local(p).shape
+        dim, held = optimizer.plan[id(p)].dim if id(p) in dealt else None, local(p).shape
+        if dim is None:
+            return p.numel()  # cut along two mesh dimensions: all of it
         return math.prod(held[:dim]) * p.shape[dim] * math.prod(held[dim + 1 :])
 
     received = sum(  # fp32 values: an owner gets the other slices, the others their slice back
