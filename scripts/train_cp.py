@@ -23,7 +23,8 @@ Run it on 2 CPU processes (one ring), on 4 (dp 2 x cp 2), or as one process (not
     accelerate launch --config_file accelerate_configs/cpu_multi.yaml scripts/train_cp.py
     accelerate launch ... --num_processes 4 scripts/train_cp.py --cp_size 2 --cp_impl ulysses
     python scripts/train_cp.py
-Lines marked `# CP:` are the strategy, `# Accelerate:` the library's part; the rest is plain PyTorch.
+Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
+`# CP:` marks the strategy; its transfers, masks, checks and costs are in common/cp_*.py.
 """
 
 import sys
@@ -41,7 +42,7 @@ from common.attention_kernels import block_attention, block_attention_backward, 
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.costs import count_parameters
-from common.cp_checks import check_cp_model, check_cp_size
+from common.cp_checks import CP_IMPL_HELP, CP_SIZE_HELP, check_cp_model, check_cp_size
 from common.cp_comms import Ring, Ulysses
 from common.cp_costs import cp_chunks, cp_start_line, cp_traffic, reset_traffic, ring_steps
 from common.cp_masks import add_sinks, cp_loss, plain_attention, sinks_grad, step_blocks, whole_sequence_predict
@@ -155,13 +156,14 @@ def apply_context_parallel(model, task, layout: Layout, impl: str = "ring", wind
 
 
 def cp_forward_backward(accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale):
-    """Forward and backward of this rank's tokens of every sequence; returns their loss sum. FSDP
-    averages gradients over the dp x cp ranks: `grad_scale` (their number) scales back, so the
-    gradient is that of (global loss sum / global targets)."""
+    """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
+    normalised by the target count of the whole global batch (all micro-batches, all ranks), not
+    averaged per micro-batch (which weights targets unequally when their counts differ)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         with accelerator.autocast():  # Accelerate: autocast
             with loss_of(model, mb) as loss_sum:  # CP: the loss of this rank's tokens
+                # FSDP averages the gradients over dp x cp ranks: grad_scale undoes it
                 accelerator.backward(loss_sum * grad_scale / n_global_targets)
         step_loss_sum += loss_sum.detach()
     return step_loss_sum
@@ -179,13 +181,6 @@ def ulysses_attention(ulysses: Ulysses):
 
     attention.ulysses = ulysses  # what it sent (the summary)
     return attention
-
-
-CP_SIZE_HELP = "ranks that cut each sequence: all processes (-1); the other factor is data parallel"
-CP_IMPL_HELP = (
-    "ring: K/V travel around the ranks, any head count (sequence divisible by 2 x cp); ulysses: "
-    "all-to-alls to head shards and back, fewer bytes, the heads and K/V heads divisible by cp"
-)
 
 
 def main():
@@ -235,14 +230,13 @@ def main():
     model = model.to(accelerator.device)
     units = task.units(model)  # the repeated units: one FSDP unit each, --compile
     n_params, model_line = count_parameters(model), task.describe(model)
-    # CP: its attention replaceable (Task.set_attention), a forward at positions (Task.forward_at),
-    # or a one-line refusal; what its attention receives (heads, windows)
+    # CP: Task.set_attention and Task.forward_at, or a one-line refusal; what attention receives
     kv_shape = check_cp_model(layout, model, task, args, accelerator.device)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     layout.build_mesh(accelerator.device.type)
 
-    # ---------------------------------------- CP: the strategy
+    # ---------------------------------------- CP: the strategy, before the optimizer
     windows = kv_shape["windows"] if kv_shape else None  # CP: the layers' sliding windows
     # CP: every attention layer becomes the ring over the CP group (None: cp 1, nothing to cut)
     attention = apply_context_parallel(model, task, layout, args.cp_impl, windows)
@@ -259,7 +253,7 @@ def main():
     loss_of = cp_loss(task, layout, accelerator.device, args.cp_impl, windows)
     grad_scale = layout.dp * layout.cp
 
-    # ---------------------------------------- optimizer (after sharding: it sees the shards)
+    # ---------------------------------------- optimizer
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args)
     # Accelerate: wraps the optimizer and scheduler (FSDP owns the model); the loader by dp rank
@@ -320,8 +314,7 @@ def main():
     if step == args.max_steps:  # every rank gathers what it holds; the main process writes
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer)
-    if attention:  # CP: the run's measured traffic beside the formula's
-        costs |= cp_traffic(attention, formula, step - progress["step"])
+    costs |= cp_traffic(attention, formula, step - progress["step"])  # CP: measured vs the formula
     monitor.summary(step, preempted=feed.preempted, **costs)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers and destroys the process group

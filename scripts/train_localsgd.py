@@ -35,8 +35,8 @@ Run it:
     python scripts/merge_checkpoints.py runs/localsgd/rank_models/rank_* --out runs/fused/model
 Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
 `# Local SGD:` marks what differs from train_ddp.py, `# DiLoCo:` what the outer optimizer and the
-fragments add. Below the lesson, in common/: the checks (localsgd_checks.py), the start line and the
-summary (localsgd_costs.py), what a checkpoint keeps of the fusions (localsgd_state.py).
+fragments add. Below the lesson, in common/: the flags and checks (localsgd_checks.py), the start
+line and summary (localsgd_costs.py), the fragments and the fusions' record (localsgd_state.py).
 """
 
 import sys
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
-from common.batchnorm import average_running_stats, batchnorm_line
+from common.batchnorm import batchnorm_line
 from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
 from common.collectives import CollectiveCounter
@@ -59,12 +59,12 @@ from common.cut_check import check_cut, uncut_copy
 from common.evaluation import evaluate
 from common.launch import make_accelerator, run_main
 from common.loader import make_train_loader
-from common.localsgd_checks import HELP, check_fragments_fit, check_localsgd_flags, check_whole_replicas
+from common.localsgd_checks import add_localsgd_flags, check_localsgd_flags, check_whole_replicas
 from common.localsgd_costs import fusion_line, localsgd_summary, replica_spread, replicas
-from common.localsgd_state import ReplicaSyncState, save_rank_model
+from common.localsgd_state import ReplicaSyncState, save_rank_model, split_fragments
 from common.metrics import RunMonitor
 from common.task import check_task_contract
-from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, restride_buffers, unit_modules
+from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, restride_buffers
 
 
 # ======================================== Local SGD and DiLoCo: the strategy
@@ -82,29 +82,12 @@ def local_forward_backward(accelerator, model, task, micro_batches, n_global_tar
     return step_loss_sum
 
 
-def split_fragments(model, units: list, n_fragments: int) -> list[list[torch.nn.Parameter]]:
-    """Streaming DiLoCo's fragments: the blocks cut into n_fragments runs. The parameters outside
-    the blocks join the nearest end: embeddings the first fragment, final norm and head the last."""
-    bounds = [round(f * len(units) / n_fragments) for f in range(n_fragments + 1)]
-    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters (the base stays as it is)
-    fragments = [[p for u in units[a:b] for p in u.parameters() if p.requires_grad] for a, b in zip(bounds, bounds[1:])]
-    in_units = {id(p) for fragment in fragments for p in fragment}
-    before, after, seen_units = [], [], False
-    for p in trained:
-        if id(p) in in_units:
-            seen_units = True
-        else:
-            (after if seen_units else before).append(p)
-    fragments[0] = before + fragments[0]
-    fragments[-1] = fragments[-1] + after
-    return fragments
-
-
 class ReplicaSync(ReplicaSyncState):
     """Fuses the replicas as the docstring at the top says: fragment f at the steps ≡ f·K/F (mod K),
     each fusion ONE all-reduce of a flat buffer of the fragment (Accelerate's LocalSGD makes one per
     tensor). average: fuse(); DiLoCo: start() sends Δ, land() takes the outer step (τ steps later if
-    overlapped). Its state_dict, load_state_dict and resume: common/localsgd_state.py."""
+    overlapped). The record of the fusions (fused), the final one (finish), state_dict,
+    load_state_dict and resume: its base, in common/localsgd_state.py."""
 
     def __init__(self, model, fragments: list, dp_size: int, args):  # args: the fusion's flags
         self.model, self.fragments, self.dp_size = model, fragments, dp_size
@@ -138,13 +121,6 @@ class ReplicaSync(ReplicaSyncState):
         for p, value in zip(params, flat.split([p.numel() for p in params])):
             p.copy_(value.view_as(p))  # every rank continues from the fused parameters
         self.fused(fragment, step)
-
-    def fused(self, fragment: int, step: int) -> None:
-        if fragment == len(self.fragments) - 1 and self.dp_size > 1:
-            with self.counter:  # BatchNorm's statistics: averaged with the last fragment, always
-                average_running_stats(self.model)
-        self.last_fused[fragment] = step
-        self.fusions[fragment] += 1
 
     @torch.no_grad()
     def start(self, fragment: int, step: int) -> None:
@@ -197,17 +173,6 @@ class ReplicaSync(ReplicaSyncState):
             self.start(f, step) if self.overlap_steps else self.fuse(f, step)
         return fused
 
-    def finish(self, step: int) -> list[int]:
-        """The final fusion: every fragment not fused at `step` (the last step) is fused now."""
-        if self.dp_size == 1 and self.outer_optimizer == "average":
-            return []
-        if self.in_flight:  # started at this step: no inner step since, so no mix (one model)
-            self.land(0.0 if self.in_flight["step"] == step else self.overlap_mix)
-        rest = [f for f, last in enumerate(self.last_fused) if last != step]
-        for f in rest:
-            self.fuse(f, step)
-        return rest
-
 
 SYNC_BATCHNORM_HELP = (
     "BatchNorm over the global micro-batch (all ranks; with K = 1 and sgd: DDP); without it, "
@@ -221,18 +186,7 @@ def main():
     from common.builtin_flags import add_builtin_flags  # the built-in data sets' and models' flags
 
     add_builtin_flags(parser)  # data and a model of your own: drop these two lines
-    g = parser.add_argument_group("Local SGD")
-    g.add_argument("--sync_every", type=int, default=8, help=HELP["sync_every"])
-    g.add_argument(
-        "--outer_optimizer", choices=["average", "nesterov"], default="average", help=HELP["outer_optimizer"]
-    )
-    g.add_argument("--outer_lr", type=float, default=0.7, help=HELP["outer_lr"])
-    g.add_argument("--outer_momentum", type=float, default=0.9, help=HELP["outer_momentum"])
-    g.add_argument("--fragments", type=int, default=1, help=HELP["fragments"])
-    g.add_argument("--outer_dtype", choices=["fp32", "bf16"], default="fp32", help=HELP["outer_dtype"])
-    g.add_argument("--overlap_steps", type=int, default=0, help=HELP["overlap_steps"])
-    g.add_argument("--overlap_mix", type=float, default=0.5, help=HELP["overlap_mix"])
-    g.add_argument("--save_rank_models", action="store_true", help=HELP["save_rank_models"])
+    g = add_localsgd_flags(parser)  # Local SGD: K, the outer optimizer, the fragments, the overlap
     g.add_argument("--sync_batchnorm", action="store_true", help=SYNC_BATCHNORM_HELP)
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/localsgd"
@@ -282,15 +236,13 @@ def main():
     train_sampler = train_loader.sampler
 
     # ---------------------------------------- Local SGD and DiLoCo: the strategy
-    units = unit_modules(task.units(model))  # the blocks: the fragments are runs of them
-    check_fragments_fit(args.fragments, units)
+    # Accelerate: wraps the model in DistributedDataParallel (kept in no_sync below), moves
+    # everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
     if args.sync_batchnorm and dp_size > 1:  # BatchNorm normalises over the global micro-batch
         from common.sync_batchnorm import sync_batchnorm  # imported only by a run that asks for it
 
         sync_batchnorm(model, accelerator.device)
-    fragments = split_fragments(model, units, args.fragments)
-    # Accelerate: wraps the model in DistributedDataParallel (kept in no_sync below), moves
-    # everything to the device, and shards the loader: rank r takes every dp_size-th micro-batch.
+    fragments = split_fragments(model, task.units(model), args.fragments)  # DiLoCo: runs of blocks
     restride_buffers(model)  # DDP: its broadcast of the buffers refuses a transposed one
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     no_sync = accelerator.no_sync(model)  # Local SGD: DDP never all-reduces the gradients

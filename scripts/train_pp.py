@@ -28,12 +28,12 @@ Run it:
     accelerate launch ... --num_processes 4 scripts/train_pp.py \\
         --n_layer 8 --schedule interleaved_1f1b --n_microbatches 8
 --batch_size is the batch the schedule splits into --n_microbatches (use it instead of gradient
-accumulation); evaluation runs through the pipeline with the same batch shape. Pure pipeline
-parallel: every process is one pipeline rank. Pipelines trained data parallel (dp x pp) are
-train_hybrid.py's (--pp_size N --dp_shard M). Lines marked `# PP:` are the strategy; the stage
-split and the arithmetic behind it (common/pipeline.py) know the model only through its Task.
-A 🤗 model's stages are common/hf_pp.py's; the checks are in common/pp_checks.py, and what the
-schedule costs (start lines, the measured bubble) in common/pp_costs.py.
+accumulation); evaluation runs through the pipeline with the same batch shape. Every process is one
+pipeline rank; pipelines trained data parallel (dp x pp) are train_hybrid.py's.
+Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
+`# PP:` marks the strategy, which knows the model only through its Task. Below it, in common/: the
+stage arithmetic (pipeline.py), a 🤗 model's stages (hf_pp.py), the checks (pp_checks.py), what the
+schedule costs and its forward-only pass for evaluation (pp_costs.py).
 """
 
 import sys
@@ -59,8 +59,8 @@ from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.pipeline import add_pipeline_args, check_pipeline_layout, parse_pipeline_flags, stage_layers, stages_of_rank
-from common.pp_checks import check_pp_size, check_stages_compute
-from common.pp_costs import ScheduleMeter, TimedStage, pipeline_start_lines
+from common.pp_checks import PP_SIZE_HELP, check_pp_size, check_stages_compute
+from common.pp_costs import PipelineStepBase, ScheduleMeter, TimedStage, pipeline_start_lines
 from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_task_contract
@@ -90,7 +90,7 @@ def split_pipeline(model, units, layout, build_stages, stages_per_rank=1, split_
     """Cut the repeated `units` (ModuleDict or ModuleList) into pp x stages_per_rank stages; keep
     this rank's. The others are deleted, or nn.Identity() in a ModuleList (the rest keep their
     indices): every parameter keeps its full-model name, so checkpoints move between layouts.
-    `build_stages` (the MODEL section's stage_modules) builds one module per stage this rank holds."""
+    `build_stages` (the MODEL section's stage_modules): one module per stage this rank holds."""
     n_stages = layout.pp * stages_per_rank
     ranges = stage_layers(len(units), n_stages, split_points)
     mine = stages_of_rank(layout.pp_rank, layout.pp, stages_per_rank)
@@ -107,38 +107,31 @@ def split_pipeline(model, units, layout, build_stages, stages_per_rank=1, split_
     return build_stages(model, [(ranges[s], s == 0, s == n_stages - 1) for s in mine])
 
 
-def build_schedule(chunks, layout: Layout, schedule: str, n_microbatches: int, loss_fn, device):
-    """One PipelineStage per stage module and the schedule that runs them. `scale_grads=False`:
-    the loss function already divides by the global batch's target count (docs/troubleshooting.md,
-    "Pipeline loss scaled by the number of micro-batches")."""
-    mine = stages_of_rank(layout.pp_rank, layout.pp, len(chunks))
-    stages = [  # TimedStage: torch's PipelineStage, timed for the summary (common/pp_costs.py)
-        TimedStage(chunk, s, num_stages=layout.pp * len(chunks), device=device, group=layout.group("pp"))
-        for chunk, s in zip(chunks, mine, strict=True)
-    ]
-    cls = {
-        "gpipe": schedules.ScheduleGPipe,
-        "1f1b": schedules.Schedule1F1B,
-        "interleaved_1f1b": schedules.ScheduleInterleaved1F1B,  # these two: several stages per rank
-        "zero_bubble": schedules.ScheduleInterleavedZeroBubble,
-    }[schedule]
-    runs = stages if issubclass(cls, schedules.PipelineScheduleMulti) else stages[0]
-    return cls(runs, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False), stages
-
-
-class PipelineStep:
-    """The step: the schedule runs forward and backward of all micro-batches through the stages.
-    The first stage gets Task.inputs, the last Task.targets and scores each micro-batch (Task.loss,
-    divided by the global target count); the rank that holds the loss (Layout.holds_loss: the last
-    stage, TP rank 0) reports its sum."""
+class PipelineStep(PipelineStepBase):
+    """The step: one PipelineStage per stage module (`chunks`) this rank holds, and the schedule
+    that runs forward and backward of all micro-batches through them. The first stage gets
+    Task.inputs, the last Task.targets and scores each micro-batch (Task.loss over the global target
+    count, so scale_grads=False: docs/troubleshooting.md); the rank that holds the loss
+    (Layout.holds_loss) reports its sum. Its base (common/pp_costs.py): predict, summary."""
 
     loss_context = staticmethod(nullcontext)  # the context the loss is computed in
 
     def __init__(self, accelerator, layout, task, chunks, schedule, n_microbatches):
         self.accelerator, self.layout, self.task = accelerator, layout, task
-        self.schedule, self.stages = build_schedule(
-            chunks, layout, schedule, n_microbatches, self.loss_fn, accelerator.device
-        )
+        n_stages = layout.pp * len(chunks)  # pp ranks x the stages each holds
+        mine = stages_of_rank(layout.pp_rank, layout.pp, len(chunks))  # rank r: r, r + pp, ...
+        self.stages = [  # TimedStage: torch's PipelineStage, timed (common/pp_costs.py)
+            TimedStage(chunk, s, n_stages, accelerator.device, group=layout.group("pp"))
+            for chunk, s in zip(chunks, mine, strict=True)
+        ]
+        cls = {
+            "gpipe": schedules.ScheduleGPipe,
+            "1f1b": schedules.Schedule1F1B,
+            "interleaved_1f1b": schedules.ScheduleInterleaved1F1B,  # several stages per rank
+            "zero_bubble": schedules.ScheduleInterleavedZeroBubble,  # several stages per rank
+        }[schedule]
+        runs = self.stages if issubclass(cls, schedules.PipelineScheduleMulti) else self.stages[0]
+        self.schedule = cls(runs, n_microbatches, loss_fn=self.loss_fn, scale_grads=False)
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
         self.scale, self.scoring = 1.0, True
@@ -163,26 +156,6 @@ class PipelineStep:
             return torch.zeros((), device=self.accelerator.device)
         losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
         return torch.stack(losses).sum().detach() / self.scale  # back to this replica's loss sum
-
-    def predict(self, *inputs):
-        """Forward only (evaluate's `predict`): the last stage gets the whole batch's outputs, the
-        others None. The schedule's loss_fn scores nothing; the first input stands in for targets."""
-        target = inputs[0] if self.has_last else None
-        inputs = tuple(x for x in inputs if x is not None) if self.has_first else ()  # no None mask
-        self.scoring = False
-        try:
-            with self.loss_context():
-                outputs = self.schedule.eval(*inputs, target=target)
-        finally:
-            self.scoring = True
-        return outputs if self.has_last else None
-
-    def summary(self, args) -> dict:
-        """Per pipeline rank: the measured bubble, micro-batches in flight, activation memory."""
-        return self.meter.summary(self.accelerator, self.layout, args)
-
-
-PP_SIZE_HELP = "pipeline ranks: every process (-1, or their number); dp x pp is train_hybrid.py's"
 
 
 def main():
@@ -230,8 +203,8 @@ def main():
     model, task = language_model(args, data)
     model = model.to(accelerator.device)
     units = task.units(model)  # the repeated units: the pipeline cuts between them
-    n_units = len(units)  # PP: counted before the split, which drops the other stages' units
-    check_pipeline_layout(layout, n_units, args, type(unit_modules(units)[0]).__name__)
+    check_pipeline_layout(layout, len(units), args, type(unit_modules(units)[0]).__name__)
+    pp_lines = pipeline_start_lines(layout, len(units), args)  # PP: stages, bubble (all units)
     n_params, model_line = count_parameters(model), task.describe(model)
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
@@ -268,7 +241,6 @@ def main():
     )
     feed.seed_dropout(args.seed, layout)  # dropout: each dp rank its own masks
     monitor = RunMonitor(accelerator, args, "train_pp", feed, layout.world_size, global_batch_size)
-    pp_lines = pipeline_start_lines(layout, n_units, args)  # PP: the stages, the bubble in theory
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
     monitor.start(task, model_line, n_params, data, [*pp_lines, costs, cut_line], resume_path, layout)
     pp_group = layout.group("pp")  # PP: the gradient norm sums over the stages

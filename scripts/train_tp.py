@@ -26,10 +26,11 @@ Run it:
         --sequence_parallel --loss_parallel
     python scripts/train_tp.py                     # one process: nothing to split, the plan is not applied
 TP only: the TP group is every process. Data parallel beside TP (dp x tp) is train_hybrid.py's.
-The MODEL section holds the plan, {module name: how to split it}: the built-in GPT's, written by hand;
-a 🤗 model's is read from its own config (config.base_model_tp_plan, through the style table of
-common/hf_tp.py; KV heads fewer than the ranks replicated, as Megatron does). Lines marked `# TP:` are
-the strategy; `# Accelerate:` the library's part; the checks live in common/tp_checks.py.
+The MODEL section holds the plan, {module name: how to split it}: the built-in GPT's, written by
+hand; a 🤗 model's is read from its own config (config.base_model_tp_plan, through the style table
+of common/hf_tp.py; KV heads fewer than the ranks replicated, as Megatron does).
+Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
+`# TP:` marks the strategy; its checks are in common/tp_checks.py, its costs in common/tp_costs.py.
 """
 
 import sys
@@ -67,7 +68,7 @@ from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
 from common.task import check_task_contract
 from common.tied import check_tp_keeps_ties
-from common.tp_checks import check_tp_flags, check_tp_layout, check_tp_plan
+from common.tp_checks import HELP, check_tp_flags, check_tp_layout, check_tp_plan
 from common.tp_costs import tp_start_lines
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 
@@ -152,25 +153,20 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict) -> None:
 def tp_forward_backward(
     accelerator, model, task, micro_batches: list, n_global_targets, use_loss_parallel: bool, counts_loss: bool
 ) -> torch.Tensor:
-    """Forward and backward of this rank's micro-batches (the whole TP group runs the same ones);
-    returns their loss sum where `counts_loss` (the ranks of a TP group hold the same sum: one per
-    group counts it, layout.holds_loss), else zero. Normalised by the global batch's target count.
-    """
+    """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
+    normalised by the target count of the whole global batch (all micro-batches, all ranks), not
+    averaged per micro-batch (which weights targets unequally when their counts differ)."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         # TP: under --loss_parallel the cross-entropy runs on the vocabulary shards of the logits
         with accelerator.autocast(), loss_parallel() if use_loss_parallel else nullcontext():
             loss_sum, _ = task.loss_of(model, mb)
             accelerator.backward(loss_sum / n_global_targets)  # Accelerate: backward
-        step_loss_sum += loss_sum.detach().full_tensor() if isinstance(loss_sum, DTensor) else loss_sum.detach()
+        if isinstance(loss_sum, DTensor):  # TP: --loss_parallel's loss, on the vocabulary shards
+            loss_sum = loss_sum.detach().full_tensor()
+        step_loss_sum += loss_sum.detach()
+    # TP: the whole TP group runs the same micro-batches, so holds the same sum: one rank counts it
     return step_loss_sum if counts_loss else torch.zeros_like(step_loss_sum)
-
-
-TP_SIZE_HELP = "ranks per TP group: all processes (-1, or their number); data parallel beside TP is train_hybrid.py's"
-SEQUENCE_PARALLEL_HELP = (
-    "shard LayerNorm/dropout activations along the sequence (all-gather + reduce-scatter instead of all-reduce)"
-)
-LOSS_PARALLEL_HELP = "compute the cross-entropy on vocabulary-sharded logits, never gathering them"
 
 
 def main():
@@ -180,9 +176,9 @@ def main():
 
     add_builtin_flags(parser)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("tensor parallel")
-    g.add_argument("--tp_size", type=int, default=-1, help=TP_SIZE_HELP)
-    g.add_argument("--sequence_parallel", action="store_true", help=SEQUENCE_PARALLEL_HELP)
-    g.add_argument("--loss_parallel", action="store_true", help=LOSS_PARALLEL_HELP)
+    g.add_argument("--tp_size", type=int, default=-1, help=HELP["tp_size"])
+    g.add_argument("--sequence_parallel", action="store_true", help=HELP["sequence_parallel"])
+    g.add_argument("--loss_parallel", action="store_true", help=HELP["loss_parallel"])
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/tp"
     check_core_args(args)
@@ -223,8 +219,7 @@ def main():
     plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
     n_params, model_line = count_parameters(model), task.describe(model)
     check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: fits the model
-    # TP: and the flags fit the layout and the data
-    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)
+    check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)  # and the layout, data
     resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
     reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
     units = task.units(model)  # before the cut: --compile compiles each unit after it
@@ -245,14 +240,12 @@ def main():
     optimizer = make_optimizer(model, args)  # TP: after the cut, it holds each rank's shards
     scheduler = make_scheduler(optimizer, args)
     train_sampler = train_loader.sampler
-    # Accelerate: optimizer/scheduler wrappers (not the model: TP owns it);
-    # every TP rank reads the same batch
+    # Accelerate: optimizer and scheduler wrappers (not the model: TP owns it)
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_loader = shard_loader(train_loader, accelerator, layout)
     lp = loss_parallel() if args.loss_parallel else None  # TP: the loss on vocabulary shards
     check_task_contract(task, model, data.validation, accelerator.device, lp)  # before step 1
     probe_step = partial(tp_forward_backward, accelerator, model, task)  # TP: the step, on a probe
-    # TP: the step's flags
     probe_step.keywords.update(use_loss_parallel=args.loss_parallel, counts_loss=layout.holds_loss)
     cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
@@ -278,13 +271,12 @@ def main():
     while step < last_step and not feed.preempted:
         with monitor.timed_step():  # training time (not the records, evaluations, checkpoints)
             micro_batches, n_global_targets = feed.next_step()
-            # TP: the whole TP group runs the same micro-batches; each layer's f/g collectives inside
+            # TP: the TP group runs the same micro-batches; each layer's f/g collectives inside
             with monitor.collectives():
                 loss_sum = tp_forward_backward(
                     accelerator, model, task, micro_batches, n_global_targets, args.loss_parallel, layout.holds_loss
                 )
-            # TP: the norm over the shards
-            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)  # TP: all shards
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()

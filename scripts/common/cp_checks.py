@@ -1,9 +1,15 @@
 """Context parallelism's refusals (train_cp.py, train_hybrid.py --cp_size), one line each, before
 anything is cut: the CP size against the processes, the model's Task against CP's contract, the
-sequence against the chunks, and Ulysses' heads against cp."""
+sequence against the chunks, and Ulysses' heads against cp. And train_cp.py's flags' help."""
 
 from .cp_costs import attention_shapes
 from .errors import UsageError
+
+CP_SIZE_HELP = "ranks that cut each sequence: all processes (-1); the other factor is data parallel"
+CP_IMPL_HELP = (
+    "ring: K/V travel around the ranks, any head count (sequence divisible by 2 x cp); ulysses: "
+    "all-to-alls to head shards and back, fewer bytes, the heads and K/V heads divisible by cp"
+)
 
 
 def check_cp_size(cp_size: int, n_processes: int) -> None:

@@ -176,7 +176,9 @@ def cp_traffic(attention, formula: dict, steps: int) -> dict:
     """The summary's CP part: the implementation, the run's measured traffic per rank and step (the
     Ring's bytes, or Ulysses' all-to-all buffers, named "all_to_all") beside the formula's, and
     under sliding windows the ring's bytes not sent (per rank and step). `attention`: what
-    apply_context_parallel installed."""
+    apply_context_parallel installed (None at cp 1: nothing)."""
+    if attention is None:
+        return {}
     ulysses = getattr(attention, "ulysses", None)
     sender, impl, name = (ulysses, "ulysses", "all_to_all") if ulysses else (attention.ring, "ring", "ring")
     steps = max(steps, 1)

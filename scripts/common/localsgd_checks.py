@@ -1,5 +1,5 @@
-"""train_localsgd.py's flags' help, and its refusals, one line each, before anything runs: the
-fusion flags (check_localsgd_flags), a launch or an Accelerator that shards the model
+"""train_localsgd.py's flags (add_localsgd_flags) and its refusals, one line each, before anything
+runs: the fusion flags (check_localsgd_flags), a launch or an Accelerator that shards the model
 (check_whole_replicas), more fragments than blocks (check_fragments_fit)."""
 
 from __future__ import annotations
@@ -35,6 +35,24 @@ HELP = {  # the help of train_localsgd.py's flags, beside the checks that hold t
         "OUTPUT_DIR/rank_models/rank_<r> (for merge_checkpoints.py)"
     ),
 }
+
+
+def add_localsgd_flags(parser):
+    """The fusion's flags, in their own group of the help; returns the group (the lesson adds
+    --sync_batchnorm to it)."""
+    g = parser.add_argument_group("Local SGD")
+    g.add_argument("--sync_every", type=int, default=8, help=HELP["sync_every"])
+    g.add_argument(
+        "--outer_optimizer", choices=["average", "nesterov"], default="average", help=HELP["outer_optimizer"]
+    )
+    g.add_argument("--outer_lr", type=float, default=0.7, help=HELP["outer_lr"])
+    g.add_argument("--outer_momentum", type=float, default=0.9, help=HELP["outer_momentum"])
+    g.add_argument("--fragments", type=int, default=1, help=HELP["fragments"])
+    g.add_argument("--outer_dtype", choices=["fp32", "bf16"], default="fp32", help=HELP["outer_dtype"])
+    g.add_argument("--overlap_steps", type=int, default=0, help=HELP["overlap_steps"])
+    g.add_argument("--overlap_mix", type=float, default=0.5, help=HELP["overlap_mix"])
+    g.add_argument("--save_rank_models", action="store_true", help=HELP["save_rank_models"])
+    return g
 
 
 def check_localsgd_flags(args) -> None:

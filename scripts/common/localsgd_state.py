@@ -1,5 +1,6 @@
-"""train_localsgd.py's bookkeeping, apart from its fusion: what a checkpoint keeps of the fusions
-and how a resume restores it (ReplicaSyncState, the base of the lesson's ReplicaSync), and
+"""train_localsgd.py's bookkeeping, apart from its fusion: Streaming DiLoCo's fragments
+(split_fragments), the record of the fusions and the final one, what a checkpoint keeps of them and
+how a resume restores it (ReplicaSyncState, the base of the lesson's ReplicaSync), and
 --save_rank_models."""
 
 from __future__ import annotations
@@ -8,22 +9,66 @@ from pathlib import Path
 
 import torch
 
+from .batchnorm import average_running_stats
 from .checkpoint import record_task
 from .errors import UsageError
+from .localsgd_checks import check_fragments_fit
+from .training import unit_modules
+
+
+def split_fragments(model, units, n_fragments: int) -> list[list[torch.nn.Parameter]]:
+    """Streaming DiLoCo's fragments: the blocks (the model's repeated `units`) cut into n_fragments
+    runs, or a one-line refusal if there are fewer blocks. The parameters outside the blocks join the
+    nearest end: embeddings the first fragment, final norm and head the last."""
+    units = unit_modules(units)
+    check_fragments_fit(n_fragments, units)
+    bounds = [round(f * len(units) / n_fragments) for f in range(n_fragments + 1)]
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters (the base stays as it is)
+    fragments = [[p for u in units[a:b] for p in u.parameters() if p.requires_grad] for a, b in zip(bounds, bounds[1:])]
+    in_units = {id(p) for fragment in fragments for p in fragment}
+    before, after, seen_units = [], [], False
+    for p in trained:
+        if id(p) in in_units:
+            seen_units = True
+        else:
+            (after if seen_units else before).append(p)
+    fragments[0] = before + fragments[0]
+    fragments[-1] = fragments[-1] + after
+    return fragments
 
 
 class ReplicaSyncState:
-    """Saving and restoring the lesson's ReplicaSync, as an optimizer is saved and restored
-    (state_dict, load_state_dict), and a resume (resume; continue_from_fusion on another number of
-    replicas).
+    """The record of the lesson's ReplicaSync's fusions (fused, and finish: the final fusion), and
+    saving and restoring it, as an optimizer is saved and restored (state_dict, load_state_dict),
+    and a resume (resume; continue_from_fusion on another number of replicas).
 
     A base class, so that the lesson's ReplicaSync shows the fusion alone while main() keeps
     PyTorch's protocol (replica_sync.state_dict(), as optimizer.state_dict()). It reads what
     ReplicaSync sets (model, fragments, dp_size, outer_optimizer, sync_every, overlap_steps,
-    overlap_mix, last_fused, in_flight; DiLoCo's last and outer) and lands a fusion with
-    ReplicaSync's arrived() and land(). Every rank computes the same outer step from the same mean
-    Δ, so θ_last and the outer momentum are the same everywhere: the state is saved once, by the
-    main process."""
+    overlap_mix, last_fused, fusions, counter, in_flight; DiLoCo's last and outer) and fuses with
+    ReplicaSync's fuse(), arrived() and land(). Every rank computes the same outer step from the
+    same mean Δ, so θ_last and the outer momentum are the same everywhere: the state is saved once,
+    by the main process."""
+
+    def fused(self, fragment: int, step: int) -> None:
+        """Records the fusion of `fragment` at `step` (fuse() and start() call it); with the last
+        fragment, BatchNorm's running statistics are averaged too (a collective)."""
+        if fragment == len(self.fragments) - 1 and self.dp_size > 1:
+            with self.counter:  # BatchNorm's statistics: averaged with the last fragment, always
+                average_running_stats(self.model)
+        self.last_fused[fragment] = step
+        self.fusions[fragment] += 1
+
+    def finish(self, step: int) -> list[int]:
+        """The final fusion: every fragment not fused at `step` (the last step) is fused now."""
+        if self.dp_size == 1 and self.outer_optimizer == "average":
+            return []
+        if self.in_flight:  # started at this step: no inner step since, so no mix (one model)
+            self.land(0.0 if self.in_flight["step"] == step else self.overlap_mix)
+        rest = [f for f, last in enumerate(self.last_fused) if last != step]
+        for f in rest:
+            self.fuse(f, step)
+        return rest
 
     @property
     def settings(self) -> dict:

@@ -1,7 +1,7 @@
 """train_pp.py's refusals, one line each, before anything is cut: a --pp_size that is not every
 process (check_pp_size), stages that, chained, do not compute the whole model
 (check_stages_compute). The pipeline flags against the layout and the model are common/pipeline.py's
-(check_pipeline_layout).
+(check_pipeline_layout). And --pp_size's help (PP_SIZE_HELP).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 
 from .errors import UsageError
+
+PP_SIZE_HELP = "pipeline ranks: every process (-1, or their number); dp x pp is train_hybrid.py's"
 
 
 def check_pp_size(pp_size: int, world: int) -> None:

@@ -1,7 +1,8 @@
 """What a pipeline costs: the start lines (the stages, the schedule, the bubble in theory) and what
 the schedule measures on each rank (TimedStage, ScheduleMeter): the time it computes, the
 micro-batches whose activations it holds at once, the bytes autograd saves for one of them; the
-summary's figures.
+summary's figures. And the base of the lesson's PipelineStep (PipelineStepBase): the schedule run
+forward only, for evaluation, and its figures for the summary.
 """
 
 from __future__ import annotations
@@ -134,3 +135,27 @@ class ScheduleMeter:
             "activation_mib_per_microbatch_per_rank": [round(float(per_stage[r][3]) / 2**20, 4) for r in ranks],
             "peak_activation_mib_per_rank": [round(float(per_stage[r][4]) / 2**20, 4) for r in ranks],
         }
+
+
+class PipelineStepBase:
+    """What the lesson's PipelineStep (train_pp.py, and train_hybrid.py's) does besides its training
+    step: forward only through the schedule, for evaluate() (predict), and the figures of the
+    schedule it ran, for the summary. It reads what PipelineStep sets: accelerator, layout,
+    schedule, has_first, has_last, scoring, loss_context, meter (its ScheduleMeter)."""
+
+    def predict(self, *inputs):
+        """Forward only (evaluate's `predict`): the last stage gets the whole batch's outputs, the
+        others None. The schedule's loss_fn scores nothing; the first input stands in for targets."""
+        target = inputs[0] if self.has_last else None
+        inputs = tuple(x for x in inputs if x is not None) if self.has_first else ()  # no None mask
+        self.scoring = False
+        try:
+            with self.loss_context():
+                outputs = self.schedule.eval(*inputs, target=target)
+        finally:
+            self.scoring = True
+        return outputs if self.has_last else None
+
+    def summary(self, args) -> dict:
+        """Per pipeline rank: the measured bubble, micro-batches in flight, activation memory."""
+        return self.meter.summary(self.accelerator, self.layout, args)

@@ -1,6 +1,6 @@
 """train_tp.py's refusals, one line each, before anything is cut: a plan that does not fit the model or
 leaves a flag nothing to act on (check_tp_plan), a layout that is not TP only (check_tp_layout), flags
-the layout or the data cannot serve (check_tp_flags).
+the layout or the data cannot serve (check_tp_flags). And the help of train_tp.py's flags (HELP).
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ if TYPE_CHECKING:  # annotations only: the layout module is not needed to run th
     from .layout import Layout
 
 WHERE = "in the MODEL section of train_tp.py (docs/your-model.md)"
+HELP = {  # the help of train_tp.py's flags, beside the checks that hold them to it
+    "tp_size": "ranks per TP group: all processes (-1, or their number); data parallel beside TP is train_hybrid.py's",
+    "sequence_parallel": (
+        "shard LayerNorm/dropout activations along the sequence (all-gather + reduce-scatter instead of all-reduce)"
+    ),
+    "loss_parallel": "compute the cross-entropy on vocabulary-sharded logits, never gathering them",
+}
 
 
 def check_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool, loss_parallel: bool) -> None:
