@@ -6,7 +6,8 @@ one you give) is costed the way the training scripts build it, without starting 
 
     per rank:  parameters + gradients + AdamW state    the shapes each rank holds after TP, PP and
                                                        FSDP cut the model (the same bytes as the
-                                                       runs' state_bytes_per_rank_max); --lora_r:
+                                                       runs' state_bytes_per_rank_max; --cp_size:
+                                                       FSDP over dp_shard x cp); --lora_r:
                                                        the frozen model's weights, and gradients
                                                        and AdamW state of the LoRA adapters only;
                                                        --optimizer muon: one fp32 momentum for
@@ -16,7 +17,7 @@ one you give) is costed the way the training scripts build it, without starting 
              + gathered weights and gradients          FSDP's unsharded copies while a block computes
              = memory, against --gpu_memory_gib        fits, and by how much
     per step:  each collective's count and bytes, and the link it crosses:
-                   ranks  0 1 2 3 4 5 6 7 | 8 9 ...    mesh dims pp -> dp_replicate -> dp_shard -> tp:
+                   ranks  0 1 2 3 4 5 6 7 | 8 9 ...    mesh dims pp -> dp_replicate -> dp_shard -> cp -> tp:
                           [ one node    ] | [ next     tp groups are consecutive ranks, so TP stays in a
                                                        node while tp <= --gpus_per_node; the outer
                                                        groups (FSDP, HSDP, PP) cross nodes once their
@@ -53,7 +54,7 @@ from common.costs import count_parameters
 from common.cp_costs import cp_chunks, ring_steps
 from common.errors import UsageError
 from common.launch import run_main
-from common.layout import DIMS, FLAGS, Layout
+from common.layout import DIMS, FLAGS, MESH_DIMS, Layout
 from common.model import (
     GPT,
     GPTConfig,
@@ -197,11 +198,20 @@ def split_shape(shape: tuple, tp: int, tp_dim: int | None, floor: int | None = N
     return tuple(max(n // tp, floor or 0) if i == tp_dim else n for i, n in enumerate(shape))
 
 
-def fsdp_rows(rows: int, dp_shard: int) -> tuple[int, int]:
+def fsdp_rows(rows: int, shards: int) -> tuple[int, int]:
     """(rows of the largest shard, rows after padding): fully_shard chunks dim 0 like torch.chunk
-    (rank 0 gets the largest piece) and pads it to dp_shard equal pieces for its collectives."""
-    largest = math.ceil(rows / dp_shard)
-    return largest, largest * dp_shard
+    (rank 0 gets the largest piece) and pads it to `shards` equal pieces for its collectives."""
+    largest = math.ceil(rows / shards)
+    return largest, largest * shards
+
+
+def fsdp_group(layout: Layout) -> tuple[str, int]:
+    """(FSDP's group, its ranks): dp_shard; under CP dp_shard_cp, dp_shard x cp flattened (common/layout.py's
+    Layout.fsdp_mesh, torchtitan's dp_shard_cp): the CP ranks of a data-parallel rank hold the same weights,
+    so FSDP shards them over those ranks too. HSDP replicates the shards over dp_replicate."""
+    if layout.cp > 1:
+        return "dp_shard_cp", layout.dp_shard * layout.cp
+    return "dp_shard", layout.dp_shard
 
 
 def kv_copied(p: dict, tp: int) -> bool:
@@ -213,19 +223,20 @@ def kv_copied(p: dict, tp: int) -> bool:
 def muon_cuts(p: dict, layout: Layout) -> list[tuple[str, int]]:
     """The mesh dimensions (group, ranks) that cut a matrix of `p` (common/muon.py's cutting_dims), in the
     order DTensor's full_tensor all-gathers them: TP's dimension (or, KV heads copied, the heads'), and FSDP's
-    rows (dim 0, which cuts a matrix, not a stack's 3-D one). Both cut: FSDP's first where TP cuts the same
-    rows (a strided shard), else TP's first."""
+    rows (dim 0, which cuts a matrix, not a stack's 3-D one; over dp_shard, or dp_shard_cp under CP:
+    fsdp_group). Both cut: FSDP's first where TP cuts the same rows (a strided shard), else TP's first."""
     ndim, cuts = len(p["shape"]), []
     if layout.tp > 1 and p["tp_dim"] is not None and p["tp_dim"] % ndim >= ndim - 2:
         heads = p["shape"][p["tp_dim"]] // p["tp_floor"] if kv_copied(p, layout.tp) else layout.tp
         cuts += [("tp", heads)] if heads > 1 else []
-    if layout.dp_shard > 1 and ndim == 2:
-        cuts.insert(0 if p["tp_dim"] == 0 else len(cuts), ("dp_shard", layout.dp_shard))
+    group, shards = fsdp_group(layout)
+    if shards > 1 and ndim == 2:
+        cuts.insert(0 if p["tp_dim"] == 0 else len(cuts), (group, shards))
     return cuts
 
 
 class RankState:
-    """The parameters one pipeline rank holds (tp rank 0, dp rank 0: the largest shards), grouped
+    """The parameters one pipeline rank holds (tp, cp and dp rank 0: the largest shards), grouped
     into FSDP units: one per block, plus the stage's root (embeddings, final norm, head). Each unit counts
     what it holds and, apart, what of it trains (`trained_*`: all of it, but under LoRA the adapters only).
     `lora_tp`: under LoRA, the rank-r all-reduces TP adds per micro-batch (`forward`, `backward`, of `r`
@@ -256,7 +267,7 @@ class RankState:
                 continue
             shape = split_shape(p["shape"], layout.tp, p["tp_dim"], p.get("tp_floor"))
             rest = math.prod(shape[1:])
-            held, padded = fsdp_rows(shape[0], layout.dp_shard)
+            held, padded = fsdp_rows(shape[0], fsdp_group(layout)[1])  # FSDP: over dp_shard (x cp)
             u = self.units.setdefault(unit, dict.fromkeys(("held", "padded", "full", "tensors"), 0))
             trains, muon = p.get("trains", True), p.get("trains", True) and p.get("muon", False)
             for prefix in [""] + ["trained_"] * trains + ["muon_"] * muon:  # muon_: Muon's matrices
@@ -298,7 +309,7 @@ class RankState:
         return figures
 
     def full_numel(self, trained: bool = False) -> int:
-        """This rank's parameters gathered over dp_shard (still split by TP); `trained`: those that train."""
+        """This rank's parameters gathered over FSDP's group (still split by TP); `trained`: those that train."""
         return sum(u.get("trained_full" if trained else "full", 0) for u in self.units.values())
 
 
@@ -560,15 +571,29 @@ def fsdp_all_gathers(
 
 
 # ======================================== collectives
-def group_span(layout: Layout, dim: str) -> tuple[int, int]:
-    """(stride between the ranks of one group of `dim`, group size): the mesh is pp ->
-    dp_replicate -> dp_shard -> tp, tp innermost."""
-    inner = DIMS[DIMS.index(dim) + 1 :]
-    return math.prod(getattr(layout, d) for d in inner), getattr(layout, dim)
+def group_dims(group: str) -> list[str]:
+    """The mesh dimensions a group spans: one (tp, dp_shard, ...), or adjacent ones flattened into one group,
+    named as DeviceMesh._flatten names it, their names joined: dp_shard_cp (FSDP under CP), dp_shard_tp and
+    dp_shard_cp_tp (Muon's matrices cut by FSDP and TP)."""
+    dims, rest = [], group
+    while rest:
+        dim = next(d for d in MESH_DIMS if rest == d or rest.startswith(f"{d}_"))
+        dims.append(dim)
+        rest = rest[len(dim) + 1 :]
+    return dims
+
+
+def group_span(layout: Layout, group: str) -> tuple[int, int]:
+    """(stride between the ranks of one group, group size): the mesh is pp -> dp_replicate -> dp_shard ->
+    cp -> tp (common/layout.py's MESH_DIMS), tp innermost; a flattened group's dims are adjacent."""
+    dims = group_dims(group)
+    inner = MESH_DIMS[MESH_DIMS.index(dims[-1]) + 1 :]
+    return math.prod(getattr(layout, d) for d in inner), math.prod(getattr(layout, d) for d in dims)
 
 
 def link_of(layout: Layout, dim: str, gpus_per_node: int) -> str:
-    """intra_node when every group of `dim` lies inside one node: its span (stride x size) tiles a node."""
+    """intra_node when every group of `dim` (a mesh dimension, or adjacent ones flattened) lies inside one
+    node: its span (stride x size) tiles a node."""
     stride, size = group_span(layout, dim)
     span = stride * (size - 1) + 1
     return "intra_node" if span <= gpus_per_node and gpus_per_node % (stride * size) == 0 else "inter_node"
@@ -617,10 +642,11 @@ def forward_tp_traffic(traffic: Traffic, cfg: GPTConfig, rank: RankState, tokens
 
 
 def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16: bool) -> tuple[Traffic, Traffic]:
-    """(every step, the first step's extra) for one rank of pipeline position `pp_rank`."""
+    """(every step, the first step's extra) for one rank of pipeline position `pp_rank`. Under CP the rank holds
+    seq_len / cp tokens of each sequence: TP's and PP's tensors are theirs; FSDP works over dp_shard x cp."""
     m = args.n_microbatches
     micro_batch = args.batch_size // m
-    tokens = micro_batch * args.seq_len
+    tokens = micro_batch * args.seq_len // layout.cp
     act = 2 if bf16 else 4
     step, first = Traffic(), Traffic()
     if layout.tp > 1:
@@ -633,7 +659,8 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
         step.add("tp", "all_reduce", m * (2 * len(rank.layers) - frozen), tokens * cfg.n_embd * act)
         step.add("tp", "all_reduce", m * rank.has_last, tokens * cfg.n_embd * act)
         step.add("tp", "all_reduce", m * rank.lora_tp["backward"], tokens * rank.lora_tp["r"] * act)
-    if layout.dp > 1:
+    group, shards = fsdp_group(layout)  # FSDP's: dp_shard, or under CP dp_shard_cp
+    if layout.dp * layout.cp > 1:  # what Layout.fsdp_mesh shards over: data-parallel or CP ranks
         param_bytes = 2 if bf16 else 4  # FSDP gathers in the compute dtype and reduces in fp32
         for name, unit in rank.units.items():
             reshard = layout.pp == 1 and name != "root"  # what the scripts pass to fully_shard
@@ -644,12 +671,12 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
             # the gradients of what trains (LoRA: the adapters'; a unit with none, none at all)
             reductions *= bool(unit.get("trained_tensors"))
             trained = unit.get("trained_padded", 0)
-            if layout.dp_shard > 1:  # each stage of this rank has its own root: one gather each
+            if shards > 1:  # each stage of this rank has its own root: one gather each
                 calls = gathers * (len(rank.stages) if name == "root" else 1)
-                step.add("dp_shard", "all_gather", calls, unit["padded"] * param_bytes * gathers / calls)
-                step.add("dp_shard", "reduce_scatter", reductions, trained * 4)
+                step.add(group, "all_gather", calls, unit["padded"] * param_bytes * gathers / calls)
+                step.add(group, "reduce_scatter", reductions, trained * 4)
             if layout.dp_replicate > 1:  # HSDP: the shards' gradients averaged over the replicas
-                step.add("dp_replicate", "all_reduce", reductions, trained // layout.dp_shard * 4)
+                step.add("dp_replicate", "all_reduce", reductions, trained // shards * 4)
     if layout.pp > 1:
         boundary = tokens * cfg.n_embd * 4  # the residual stream crosses stages, fp32 under autocast too
         n_stages = layout.pp * args.stages_per_rank
@@ -668,9 +695,9 @@ def rank_traffic(cfg, layout: Layout, rank: RankState, pp_rank: int, args, bf16:
             first.add("pp", "recv", 3, 0)
             if layout.tp > 1:
                 forward_tp_traffic(first, cfg, rank, tokens, bf16)
-            if layout.dp_shard > 1:
+            if shards > 1:
                 for unit in rank.units.values():
-                    first.add("dp_shard", "all_gather", 1, unit["padded"] * (2 if bf16 else 4))
+                    first.add(group, "all_gather", 1, unit["padded"] * (2 if bf16 else 4))
     return step, first
 
 
@@ -687,10 +714,15 @@ def newton_schulz_flops(shape: tuple, steps: int) -> int:
     return math.prod(stack) * steps * (4 * short * short * long + 2 * short**3)
 
 
-FLATTENED = "dp_shard_tp"  # common/muon.py's group for the matrices FSDP and TP both cut (DeviceMesh._flatten)
+def flattened(cuts: list[tuple[str, int]]) -> tuple[str, int]:
+    """common/muon.py's flattened_group for a matrix cut along two mesh dimensions (FSDP's and TP's): one group
+    over both, named as DeviceMesh._flatten names it, the cuts' groups in mesh order (TP innermost) joined:
+    dp_shard_tp, or under CP dp_shard_cp_tp; its ranks, the product of the two cuts'."""
+    names = sorted((group for group, _ in cuts), key=lambda group: group == "tp")
+    return "_".join(names), math.prod(n for _, n in cuts)
 
 
-def muon_traffic(matrices: list[dict], ns_steps: int) -> tuple[Traffic, dict]:
+def muon_traffic(matrices: list[dict], ns_steps: int, replicas: int = 1) -> tuple[Traffic, dict]:
     """--optimizer muon: what one optimizer step sends to make this rank's cut matrices whole for Newton–Schulz
     (common/muon.py's orthogonalise_all), for the rank whose group ranks are all 0 (the plan's rank), the
     figures of the run's `optimizer:` start line, and the Newton–Schulz FLOPs that rank computes. `matrices`:
@@ -701,18 +733,27 @@ def muon_traffic(matrices: list[dict], ns_steps: int) -> tuple[Traffic, dict]:
     slice back) per matrix, and the owner receives the other slices and orthogonalises the matrix. Counted
     here: the bytes rank 0 receives (fp32, unpadded, as the start line counts them): the others' slices in the
     gathers of the matrices it owns, its own slice in the scatters of the others. A matrix cut along two (FSDP
-    beside TP) is dealt the same way over one group flattened from both (FLATTENED, dp_shard x tp ranks), with
+    beside TP) is dealt the same way over one group flattened from both (`flattened`: FSDP's x TP's ranks), with
     its own count (`cut_twice`, the matrices gathered on every rank, is then 0). Nothing
-    sent for a whole matrix (DDP, replicated; an expert stack cut only along its experts), orthogonalised where
-    it lies: under DDP every rank orthogonalises every matrix."""
+    sent for a whole matrix (replicated; an expert stack cut only along its experts), orthogonalised where it
+    lies; but `replicas` > 1 (train_ddp.py's processes, which step alike) deal the whole matrices too: each
+    orthogonalised by its owner and broadcast over dp_replicate (rank 0 receives the others, `dealt_whole`)."""
     traffic, dealt, received, flops = Traffic(), {}, 0, 0
     figures = dict.fromkeys(("matrices", "cut", "dealt_round_robin", "orthogonalised_rank0", "cut_twice"), 0)
+    figures["dealt_whole"] = 0
     for m in sorted(matrices, key=lambda m: m["param_group"]):  # stable: model order inside a group
         figures["matrices"] += 1
         figures["cut"] += bool(m["cuts"])
         local, whole = m["local"], m["whole"]
         owner = True  # a whole matrix, or one cut twice: orthogonalised on this rank
-        if len(m["cuts"]) == 1:
+        if not m["cuts"] and replicas > 1:  # DDP: dealt over the replicas; each owner broadcasts its result
+            dealt["dp_replicate"] = n = dealt.get("dp_replicate", -1) + 1
+            owner = n % replicas == 0
+            figures["dealt_whole"] += 1
+            figures["orthogonalised_rank0"] += owner
+            traffic.add("dp_replicate", "broadcast", 1, 0 if owner else 4 * whole)
+            received += 0 if owner else 4 * whole
+        elif len(m["cuts"]) == 1:
             group, size = m["cuts"][0]
             dealt[m["cuts"][0]] = n = dealt.get(m["cuts"][0], -1) + 1
             owner = n % size == 0  # rank 0 of the group owns the 1st, (size+1)-th, ... matrix dealt
@@ -721,14 +762,14 @@ def muon_traffic(matrices: list[dict], ns_steps: int) -> tuple[Traffic, dict]:
             traffic.add(group, "gather", 1, 4 * (whole - local) if owner else 0)
             traffic.add(group, "scatter", 1, 0 if owner else 4 * local)
             received += 4 * (whole - local) if owner else 4 * local
-        elif m["cuts"]:  # cut twice: dealt over one group flattened from both (dp_shard x tp), counted apart
-            (_, n1), (_, n2) = m["cuts"]
-            dealt[FLATTENED] = n = dealt.get(FLATTENED, -1) + 1
-            owner = n % (n1 * n2) == 0
+        elif m["cuts"]:  # cut twice: dealt over one group flattened from both (dp_shard(_cp) x tp), counted apart
+            group, size = flattened(m["cuts"])
+            dealt[group] = n = dealt.get(group, -1) + 1
+            owner = n % size == 0
             figures["dealt_round_robin"] += 1
             figures["orthogonalised_rank0"] += owner
-            traffic.add(FLATTENED, "gather", 1, 4 * (whole - local) if owner else 0)
-            traffic.add(FLATTENED, "scatter", 1, 0 if owner else 4 * local)
+            traffic.add(group, "gather", 1, 4 * (whole - local) if owner else 0)
+            traffic.add(group, "scatter", 1, 0 if owner else 4 * local)
             received += 4 * (whole - local) if owner else 4 * local
         flops += newton_schulz_flops(m["shape"], ns_steps) if owner else 0
     figures["received_mib_rank0"] = round(received / MiB, 4)
@@ -777,7 +818,7 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         # so do the gradients of gradient accumulation with --unsharded_accumulation (by default each
         # micro-batch reduce-scatters them: one block's at a time). Under LoRA only the adapters have them.
         gathered = 0
-        if layout.dp_shard > 1:
+        if fsdp_group(layout)[1] > 1:
             biggest = max(u["full"] for u in rank.units.values())
             biggest_trained = max(u.get("trained_full", 0) for u in rank.units.values())
             weights = (rank.full_numel() if layout.pp > 1 else 2 * biggest) * (2 if bf16 else 4)
@@ -787,7 +828,10 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
         memory = own["total_bytes"] + pipeline_act + act["recompute"] + act["logits"] + gathered
         step, first = rank_traffic(cfg, layout, rank, pp_rank, args, bf16)
         traffic.append((step, first))
-        optimizer.append(muon_traffic(rank.matrices, args.ns_steps) if args.optimizer == "muon" else (Traffic(), None))
+        ddp = layout.dp_replicate if layout.model_split * layout.cp == 1 else 1  # train_ddp.py's replicas
+        optimizer.append(
+            muon_traffic(rank.matrices, args.ns_steps, ddp) if args.optimizer == "muon" else (Traffic(), None)
+        )
         per_pp_rank.append(
             {
                 "pp_rank": pp_rank,
@@ -804,11 +848,12 @@ def plan_layout(cfg, params, n_params, layout: Layout, args, links: dict) -> dic
     gpu_bytes = args.gpu_memory_gib * GiB
 
     # ---- the step time: roofline compute, the bubble, and the links' share
-    sizes = {"tp": layout.tp, "pp": layout.pp, "dp_shard": layout.dp_shard, "dp_replicate": layout.dp_replicate}
+    fsdp, shards = fsdp_group(layout)  # dp_shard, or under CP dp_shard_cp
+    sizes = {"tp": layout.tp, "pp": layout.pp, fsdp: shards, "dp_replicate": layout.dp_replicate}
     link_names = {group: link_of(layout, group, args.gpus_per_node) for group in sizes}
-    flat = layout.dp_shard * layout.tp  # Muon's FLATTENED group: contiguous ranks, tp innermost
-    flat_link = "intra_node" if args.gpus_per_node % flat == 0 else "inter_node"
-    optimizer_sizes, optimizer_links = sizes | {FLATTENED: flat}, link_names | {FLATTENED: flat_link}
+    flat, flat_size = flattened([(fsdp, shards), ("tp", layout.tp)])  # Muon's group for the matrices cut twice
+    optimizer_sizes = sizes | {flat: flat_size}
+    optimizer_links = link_names | {flat: link_of(layout, flat, args.gpus_per_node)}
     tokens_per_replica = args.batch_size * args.seq_len
     flops = flops_per_token(cfg, n_params, args.seq_len) * tokens_per_replica / (layout.pp * layout.tp * layout.cp)
     if args.activation_checkpointing:
@@ -907,13 +952,15 @@ def cp_record(traffic: dict, impl: str) -> dict:
     return {
         "cp_impl": impl,
         "ring_bytes_per_layer": traffic["per_layer"],
+        "ring_sends_per_layer": traffic["sends_per_layer"],
         "ring_s": round(traffic["seconds"], 6),
     } | steps
 
 
 def ring_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links: dict) -> dict:
     """Context parallelism's ring (train_cp.py), per rank: a K/V block is 2 x micro-batch x seq/cp x d/tp;
-    per layer and micro-batch (cp-1) blocks in forward, (cp-1) K/V plus cp dK/dV blocks in backward. A ring
+    per layer and micro-batch (cp-1) blocks in forward, (cp-1) K/V plus cp dK/dV blocks in backward, each one
+    send and one receive (batch_isend_irecv: the runs count them as send and recv, one call each). A ring
     of tp x cp consecutive ranks stays inside a node while it fits; its time is bytes over the measured
     point-to-point bandwidth (preflight's ring_p2p), else the link's all-reduce bandwidth. With
     --sliding_window, the ring stops after the steps some rank still needs (cp_costs.ring_steps, on the
@@ -930,10 +977,11 @@ def ring_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links:
     link = links["intra_node" if layout.tp * layout.cp <= args.gpus_per_node else "inter_node"]
     bandwidth = link.get("ring_p2p_GBps") or link["bandwidth_GBps"]
     layers = math.ceil(cfg.n_layer / layout.pp)
-    calls = 2 * steps * layers * args.n_microbatches if steps > 1 else 0
+    sends = 3 * steps - 2 if steps > 1 else 0  # the blocks above, one send each
+    calls = sends * layers * args.n_microbatches
     total = sum(per_layer.values()) * layers * args.n_microbatches
     seconds = total / (bandwidth * 1e9) + calls * link["latency_us"] * 1e-6
-    return {"per_layer": per_layer, "seconds": seconds} | ({"steps": steps} if window else {})
+    return {"per_layer": per_layer, "sends_per_layer": sends, "seconds": seconds} | ({"steps": steps} if window else {})
 
 
 def ulysses_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links: dict) -> dict:
@@ -1102,7 +1150,7 @@ def build_args() -> argparse.ArgumentParser:
     for dim, help_text in (
         ("pp", "pipeline stages"),
         ("dp_replicate", "data-parallel replicas (HSDP: replicate across them)"),
-        ("dp_shard", "data-parallel ranks that shard the model (FSDP)"),
+        ("dp_shard", "data-parallel ranks that shard the model (FSDP; with --cp_size, over dp_shard x cp)"),
         ("tp", "ranks per tensor-parallel group"),
     ):
         g.add_argument(FLAGS[dim], type=int, dest=dim, help=f"{help_text} (default: every value that fits)")
@@ -1110,8 +1158,9 @@ def build_args() -> argparse.ArgumentParser:
         "--cp_size",
         type=int,
         default=1,
-        help="context parallel (train_cp.py): ranks that cut each sequence, kept fixed; activations per rank "
-        "/ cp, plus the ring's K/V traffic; the other degrees multiply to --world_size / cp",
+        help="context parallel (train_cp.py, train_hybrid.py): ranks that cut each sequence, kept fixed; "
+        "activations and TP's traffic per rank / cp, plus the ring's K/V traffic; FSDP shards over dp_shard x cp "
+        "(dp_shard_cp: CP ranks hold the same weights); the other degrees multiply to --world_size / cp",
     )
     g.add_argument(
         "--cp_impl",

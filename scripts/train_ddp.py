@@ -120,7 +120,7 @@ def main():
         compile_units(task.units(model), accelerator)  # each unit, before DDP wraps the model
 
     # ---------------------------------------- optimizer
-    optimizer = make_optimizer(model, args)
+    optimizer = make_optimizer(model, args, replicas=dp_size)  # DDP: replicas step alike (Muon deals matrices)
     scheduler = make_scheduler(optimizer, args)
     train_sampler = train_loader.sampler
 

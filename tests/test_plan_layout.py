@@ -50,6 +50,8 @@ def usage_error(monkeypatch, capsys, *flags: str) -> str:
 # train with --optimizer muon: one momentum for the 12 hidden matrices in optimizer_bytes, AdamW's state for the rest;
 # its gathers and scatters run in the optimizer step, after the counted forward and backward, so the counted
 # collectives are AdamW's, and the plan's Muon figures are held to the run's `optimizer:` start line instead.
+# The cp runs (ring attention, 4-digit addition: 16 tokens, 8 a rank) count the ring's sends and receives among
+# their collectives; the plan counts the ring apart (ring_bytes_per_layer, ring_sends_per_layer), held to them.
 FSDP_RUN = tuple(test_fsdp.FLAGS)  # the parity tests' runs
 TP_RUN = tuple(test_tp.FLAGS)
 ONE_STEP = ("--max_steps", "1")
@@ -119,6 +121,21 @@ RUNS = {
         [*ONE_STEP, "--dp_shard", "2", "--tp_size", "2", "--batch_size", "8", "--optimizer", "muon"],
         ["--dp_shard", "2", "--tp_size", "2", "--batch_size", "8", "--seq_len", "13", "--optimizer", "muon"],
     ),
+    "muon_cp2": (  # CP: FSDP shards over dp_shard x cp (dp_shard_cp), so Muon deals its matrices over the 2 ranks
+        None,
+        "train_cp.py",
+        2,
+        [*ONE_STEP, "--cp_size", "2", "--batch_size", "8", "--addition_digits", "4", "--optimizer", "muon"],
+        ["--cp_size", "2", "--batch_size", "8", "--seq_len", "16", "--optimizer", "muon"],
+    ),
+    "muon_cp2_tp2": (  # every matrix cut by FSDP (over cp) and TP: dealt over dp_shard_cp_tp, the 4 ranks
+        None,
+        "train_hybrid.py",
+        4,
+        [*ONE_STEP, "--cp_size", "2", "--tp_size", "2", "--dp_shard", "1", "--batch_size", "8", "--addition_digits"]
+        + ["4", "--optimizer", "muon"],
+        ["--cp_size", "2", "--tp_size", "2", "--batch_size", "8", "--seq_len", "16", "--optimizer", "muon"],
+    ),
     "muon_tp2": (
         None,
         "train_tp.py",
@@ -134,6 +151,10 @@ RUNS = {
         ["--tp_size", "2", "--batch_size", "16", "--seq_len", "16", "--lora_r", "4", "--optimizer", "muon"],
     ),
 }
+MUON_DDP_LINE = re.compile(
+    r"no matrix is cut; (\d+) whole matrices dealt round-robin over the (\d+) replicas, this rank orthogonalising "
+    r"(\d+) and broadcasting them: ([\d.]+) MiB received by this rank"
+)
 MUON_LINE = re.compile(
     r"optimizer: Muon for (\d+) matrices .*?; (\d+) cut matrices made whole each step \((\d+) dealt round-robin, "
     r"this rank orthogonalising (\d+); (\d+) cut twice, gathered on every rank\): ([\d.]+) MiB received by this rank"
@@ -177,7 +198,15 @@ def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data
         )
         assert 1.0 <= measured["state_vs_ideal"] <= 1.05, measured["state_bytes_per_rank_max"]
 
-    planned, seen = record["collectives_first_step_rank0"], measured["collectives_first_step_rank0"]
+    planned, seen = record["collectives_first_step_rank0"], dict(measured["collectives_first_step_rank0"])
+    if "ring_bytes_per_layer" in record:  # CP's ring: a send and a receive per K/V (or dK/dV) block, counted apart
+        assert record["layout"]["pp"] == 1  # (a pipeline's would be sends and receives too)
+        blocks = int(degrees["--n_microbatches"]) * plan_layout.GPTConfig.from_preset("tiny").n_layer
+        ring = {"calls": record["ring_sends_per_layer"] * blocks}
+        ring["mib"] = sum(record["ring_bytes_per_layer"].values()) * blocks / 2**20
+        for kind in ("send", "recv"):
+            got = seen.pop(kind)
+            assert got["calls"] == ring["calls"] and abs(got["mib"] - ring["mib"]) <= 1e-4, (kind, got, ring)
     assert {k: v["calls"] for k, v in planned.items()} == {k: v["calls"] for k, v in seen.items()}
     for kind, figures in seen.items():
         metadata = 0.001 if kind in ("send", "recv") else 0.0
@@ -203,8 +232,9 @@ def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data
 
 # ----------------------------------------------------------------------------- the planner alone
 def test_muon_gathers_only_what_is_cut(monkeypatch, capsys):
-    """--optimizer muon on tiny's 12 hidden matrices (98,304 values): DDP keeps them whole (no traffic; their
-    momentum, 4 bytes a value, where AdamW keeps 8); FSDP 2 x TP 2 cuts each twice: dealt over one group of the
+    """--optimizer muon on tiny's 12 hidden matrices (98,304 values): DDP keeps them whole (their momentum, 4
+    bytes a value, where AdamW keeps 8) and deals them over its 2 replicas: rank 0 orthogonalises 6 and receives
+    the other 6 by broadcast (0.1875 MiB); FSDP 2 x TP 2 cuts each twice: dealt over one group of the
     4 ranks, rank 0 owning 3 (a gather and a scatter each, 0.1172 MiB received by rank 0: 3/4 of the 3 it owns,
     1/4 of the 9 others; the run's start line is held to it in test_plan_matches_the_measured_run). Its time
     joins the step's, and so does Newton–Schulz's: after the backward, nothing hides them."""
@@ -214,9 +244,11 @@ def test_muon_gathers_only_what_is_cut(monkeypatch, capsys):
     saved = adamw["state_bytes_per_rank_max"]["optimizer_bytes"] - muon["state_bytes_per_rank_max"]["optimizer_bytes"]
     assert saved == 4 * 98304 + 4 * 12  # and no step count
     assert muon["muon"]["matrices"] == 12 and muon["muon"]["cut"] == 0
-    assert muon["muon"]["collectives_per_step_rank0"] == {} and muon["optimizer_collectives_per_step_rank0"] == []
-    assert muon["optimizer_s"] == 0 and muon["newton_schulz_s"] > 0
-    assert muon["step_time_s"] == pytest.approx(adamw["step_time_s"] + muon["newton_schulz_s"], abs=2e-6)
+    assert muon["muon"]["dealt_whole"] == 12 and muon["muon"]["orthogonalised_rank0"] == 6
+    assert muon["muon"]["collectives_per_step_rank0"] == {"broadcast": {"calls": 12, "mib": 0.1875}}
+    assert muon["optimizer_s"] > 0 and muon["newton_schulz_s"] > 0
+    exposed = muon["optimizer_s"] + muon["newton_schulz_s"]
+    assert muon["step_time_s"] == pytest.approx(adamw["step_time_s"] + exposed, abs=3e-6)
     fsdp_tp = ("--world_size", "4", "--dp_replicate", "1", "--dp_shard", "2", "--tp_size", "2")
     adamw, muon = (plan(monkeypatch, capsys, *flags, *fsdp_tp, "--optimizer", o)[0] for o in ("adamw", "muon"))
     assert muon["muon"]["cut_twice"] == 0 and muon["muon"]["received_mib_rank0"] == 0.1172
@@ -241,11 +273,24 @@ def counted_flops(shape: tuple, steps: int = 5) -> int:
     return counter.get_total_flops()
 
 
+def test_muon_under_ddp_plan_matches_the_run(monkeypatch, capsys, tmp_path, data_cache):
+    """train_ddp.py with --optimizer muon on 2 processes deals the whole matrices over its replicas: the plan's
+    count, rank 0's share and the MiB it receives by broadcast are the run's `optimizer:` start line."""
+    started = launch_tiny("train_ddp.py", tmp_path / "run", data_cache, *ONE_STEP, "--optimizer", "muon", nproc=2)
+    line = MUON_DDP_LINE.search(started.stdout)
+    assert line, started.stdout[-3000:]
+    flags = ("--model_size", "tiny", "--world_size", "2", "--pp_size", "1", "--dp_replicate", "2", "--dp_shard", "1")
+    muon = plan(monkeypatch, capsys, *flags, "--tp_size", "1", "--n_microbatches", "1", "--optimizer", "muon")[0]
+    muon = muon["muon"]
+    assert [muon["dealt_whole"], 2, muon["orthogonalised_rank0"]] == [int(x) for x in line.groups()[:3]]
+    assert abs(muon["received_mib_rank0"] - float(line[4])) <= 0.005
+
+
 def test_newton_schulz_flops_join_the_step(monkeypatch, capsys):
     """The planner's Newton–Schulz FLOPs are those FlopCounterMode counts running newton_schulz (a wide, a tall and
-    a small matrix, an expert stack; 5 and 3 iterations). DDP 2: every rank orthogonalises tiny's 12 matrices
-    (whole replicas, no owners); FSDP 2 deals them round-robin, rank 0 orthogonalising 6 of them: half the FLOPs
-    (tiny's matrices alternate, so exactly half). Their time, at the fp32 peak (the iteration runs in fp32, under
+    a small matrix, an expert stack; 5 and 3 iterations). DDP 2 deals tiny's 12 whole matrices over its replicas,
+    FSDP 2 its cut ones over its ranks: rank 0 orthogonalises 6 of them either way, half the FLOPs (tiny's
+    matrices alternate, so exactly half). Their time, at the fp32 peak (the iteration runs in fp32, under
     bf16 too: 67 / 989 of the bf16 peak), joins the step after the backward: Muon's step exceeds AdamW's by it."""
     for shape, steps in (((64, 256), 5), ((256, 64), 5), ((4, 64), 5), ((2, 64, 128), 5), ((64, 256), 3)):
         assert plan_layout.newton_schulz_flops(shape, steps) == counted_flops(shape, steps), shape
@@ -253,7 +298,7 @@ def test_newton_schulz_flops_join_the_step(monkeypatch, capsys):
     flags = ("--model_size", "tiny", "--world_size", "2", "--pp_size", "1", "--tp_size", "1", "--batch_size", "8")
     flags += ("--n_microbatches", "1", "--peak_tflops", "0.001")  # 1 GFLOP/s: seconds of Newton–Schulz, not 1e-6
     ddp, fsdp = ("--dp_replicate", "2", "--dp_shard", "1"), ("--dp_replicate", "1", "--dp_shard", "2")
-    for layout, flops in ((ddp, every), (fsdp, every // 2)):
+    for layout, flops in ((ddp, every // 2), (fsdp, every // 2)):
         adamw, muon = (plan(monkeypatch, capsys, *flags, *layout, "--optimizer", o)[0] for o in ("adamw", "muon"))
         assert muon["muon"]["newton_schulz_flops_rank0"] == flops, layout
         assert muon["newton_schulz_s"] == pytest.approx(flops / 1e9, abs=1e-6)
@@ -263,7 +308,7 @@ def test_newton_schulz_flops_join_the_step(monkeypatch, capsys):
     for precision, peak in (("no", "0.067"), ("bf16", "0.989")):  # 67 GFLOP/s in fp32 either way
         given = ("--optimizer", "muon", "--peak_tflops", peak, "--mixed_precision", precision)
         record = plan(monkeypatch, capsys, *flags[:-2], *ddp, *given)[0]
-        assert record["newton_schulz_s"] == pytest.approx(every / 0.067e12, rel=1e-3), precision
+        assert record["newton_schulz_s"] == pytest.approx(every // 2 / 0.067e12, rel=1e-3), precision
 
 
 # train_ep.py with --optimizer muon, 2 processes, one step each, run in turn in one launch: (run flags, plan flags)
@@ -428,7 +473,9 @@ def test_bad_input_is_one_line_naming_the_flag(flags, says, monkeypatch, capsys)
 
 def test_context_parallel_cuts_activations_and_adds_the_ring(monkeypatch, capsys):
     """--cp_size 2: each rank keeps the activations of half the tokens, and the plan counts the ring's
-    K/V blocks per layer: (cp-1) in forward, (cp-1) K/V + cp dK/dV in backward (train_cp.py's formula)."""
+    K/V blocks per layer: (cp-1) in forward, (cp-1) K/V + cp dK/dV in backward (train_cp.py's formula), one send
+    each. FSDP shards over dp_shard x cp (dp_shard_cp: 8 ranks, every other one, so across two nodes of 8): half
+    the parameters per rank; TP's all-reduces carry half the tokens."""
     flags = ("--model_size", "1b", "--mixed_precision", "bf16", "--seq_len", "2048", "--batch_size", "8")
     layout = ("--pp_size", "1", "--dp_replicate", "1", "--dp_shard", "4", "--tp_size", "2")
     plain = plan(monkeypatch, capsys, *flags, "--world_size", "8", *layout)[0]
@@ -438,7 +485,15 @@ def test_context_parallel_cuts_activations_and_adds_the_ring(monkeypatch, capsys
     assert act[1] == act[0] // 2
     block = 2 * 1 * (2048 // 2) * (2048 // 2) * 2  # K and V of one micro-batch, seq/cp tokens, d/tp wide, bf16
     assert cp["ring_bytes_per_layer"] == {"forward": block, "backward": 3 * block}
+    assert cp["ring_sends_per_layer"] == 4
     assert "ring_bytes_per_layer" not in plain
+    states = [r["state_bytes_per_rank_max"]["param_bytes"] for r in (plain, cp)]
+    assert states[1] == states[0] // 2
+    assert plain["links"] == {"tp": "intra_node", "dp_shard": "intra_node"}
+    assert cp["links"] == {"tp": "intra_node", "dp_shard_cp": "inter_node"}
+    comm = [{(c["group"], c["kind"]): c["bytes"] for c in r["collectives_per_step_rank0"]} for r in (plain, cp)]
+    assert comm[1][("dp_shard_cp", "all_gather")] == comm[0][("dp_shard", "all_gather")]  # whole units, gathered
+    assert comm[1][("tp", "all_reduce")] == comm[0][("tp", "all_reduce")] // 2
 
 
 def test_a_sliding_window_ends_the_ring_early(monkeypatch, capsys):
@@ -457,6 +512,7 @@ def test_a_sliding_window_ends_the_ring_early(monkeypatch, capsys):
     )
     assert windowed["ring_bytes_per_layer"] == {"forward": block, "backward": 3 * block}, windowed
     assert windowed["ring_steps"] == 2 and whole["ring_steps"] == 4 and windowed["ring_s"] < full["ring_s"]
+    assert full["ring_sends_per_layer"] == 10 and windowed["ring_sends_per_layer"] == 4  # 3 x steps - 2 blocks
 
 
 def test_ulysses_plans_its_all_to_alls(monkeypatch, capsys):

@@ -75,16 +75,24 @@ class Deal(NamedTuple):
     owner: int
     sizes: list
     indices: list | None = None
+    whole: bool = False  # a whole matrix on every replica (DDP): its owner orthogonalises it and broadcasts it
 
 
-def owners(params: list) -> dict:
+def owners(params: list, replicas: int = 1) -> dict:
     """{id(p): Deal} for each cut matrix: dealt round-robin over the ranks that cut it, in parameter order
     (the same on every rank), so each rank orthogonalises 1/N of them. A matrix cut along two mesh dimensions
     (dp_shard x tp) is dealt over one group flattened from both; where the mesh has no such group, it is
-    absent (gathered on every rank). Collective on each group: a cut-twice matrix's positions go to its owner."""
+    absent (gathered on every rank). Collective on each group: a cut-twice matrix's positions go to its owner.
+    `replicas` > 1 (DDP: every process holds the whole model and steps on the same averaged gradients): the
+    whole matrices are dealt over all processes too."""
     dealt, plan = {}, {}
     for p in params:
         dims = cutting_dims(p)
+        if not isinstance(p, DTensor) and replicas > 1:
+            group = dist.group.WORLD
+            n = dealt[group] = dealt.get(group, -1) + 1
+            plan[id(p)] = Deal(group, None, n % replicas, [], whole=True)
+            continue
         if len(dims) == 1 and type(p.placements[dims[0]]) is Shard:
             group, dim = p.device_mesh.get_group(dims[0]), p.placements[dims[0]].dim % p.ndim
         elif len(dims) > 1 and (group := flattened_group(p, dims)) is not None:
@@ -141,9 +149,15 @@ def orthogonalise_all(pairs: list, plan: dict, steps: int) -> list:
     its slices gathered on its owner, orthogonalised there, the owner's result cut and scattered back
     (round-robin: the work split over the ranks). Cut along two where no group spans both: gathered on every
     rank (all-gather), orthogonalised everywhere, each rank keeping its slice. Whole: where it lies."""
-    results, gathers, scatters = [None] * len(pairs), [], []
+    results, gathers, scatters, broadcasts = [None] * len(pairs), [], [], []
     for i, (p, update) in enumerate(pairs):
-        if not cuts_a_matrix(p):  # whole matrices (or a stack's) on this rank: orthogonalised where they lie
+        if id(p) in plan and plan[id(p)].whole:  # MUON: DDP's replicas: the owner's result, broadcast
+            deal = plan[id(p)]
+            is_owner = dist.get_rank(deal.group) == deal.owner
+            mine = newton_schulz(update, steps).contiguous() if is_owner else None  # (a tall one comes transposed)
+            results[i] = mine if is_owner else torch.empty_like(update, dtype=torch.float32)
+            broadcasts.append(dist.broadcast(results[i], group=deal.group, group_src=deal.owner, async_op=True))
+        elif not cuts_a_matrix(p):  # whole matrices (or a stack's) on this rank: orthogonalised where they lie
             results[i] = newton_schulz(update, steps)
         elif id(p) in plan:  # MUON: 1. every slice to the matrix's owner (gather)
             deal = plan[id(p)]
@@ -171,6 +185,8 @@ def orthogonalise_all(pairs: list, plan: dict, steps: int) -> list:
         deal = plan[id(p)]
         n = deal.sizes[dist.get_rank(deal.group)]
         results[i] = out.narrow(deal.dim or 0, 0, n).view(update.shape)
+    for work in broadcasts:
+        work.wait()
     return results
 
 
@@ -196,10 +212,10 @@ def cut_again(p: DTensor, deal: Deal, bucket: list, steps: int) -> list:
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked "muon", AdamW (torch's functional adamw) for the others."""
 
-    def __init__(self, param_groups, lr, momentum=0.95, ns_steps=5, betas=(0.9, 0.95), eps=1e-8, **kernels):
+    def __init__(self, param_groups, lr, momentum=0.95, ns_steps=5, betas=(0.9, 0.95), eps=1e-8, replicas=1, **kernels):
         defaults = dict(lr=lr, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps, muon=False, **kernels)
         super().__init__(param_groups, defaults)
-        self.plan = owners([p for g in self.param_groups if g["muon"] for p in g["params"]])
+        self.plan = owners([p for g in self.param_groups if g["muon"] for p in g["params"]], replicas)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -273,9 +289,10 @@ def muon_matrices(model: nn.Module) -> list:
     return [p for p in model.parameters() if p.requires_grad and p.ndim in (2, 3) and id(p) not in skip]
 
 
-def make_muon(model: nn.Module, args, groups: dict, kernels: dict) -> MuonAdamW:
-    """MuonAdamW on `groups` ({(decay, kind): params}, make_optimizer's), the Muon matrices apart.
-    Refuses a model with none (one line); prints which parameter went where."""
+def make_muon(model: nn.Module, args, groups: dict, kernels: dict, replicas: int = 1) -> MuonAdamW:
+    """MuonAdamW on `groups` ({(decay, kind): params}, make_optimizer's), the Muon matrices apart; the whole
+    matrices dealt over `replicas` processes that step alike (DDP). Refuses a model with none (one line);
+    prints which parameter went where."""
     matrices = {id(p) for p in muon_matrices(model)}
     if not matrices:
         raise UsageError(
@@ -289,9 +306,8 @@ def make_muon(model: nn.Module, args, groups: dict, kernels: dict) -> MuonAdamW:
             if chosen:
                 wd = args.weight_decay if decay else 0.0
                 param_groups.append({"params": chosen, "weight_decay": wd, "muon": muon})
-    optimizer = MuonAdamW(
-        param_groups, lr=args.learning_rate, momentum=args.muon_momentum, ns_steps=args.ns_steps, **kernels
-    )
+    hyper = dict(lr=args.learning_rate, momentum=args.muon_momentum, ns_steps=args.ns_steps, replicas=replicas)
+    optimizer = MuonAdamW(param_groups, **hyper, **kernels)
     PartialState().print(muon_line(optimizer))
     return optimizer
 
@@ -303,6 +319,8 @@ def muon_line(optimizer: MuonAdamW) -> str:
     rest = [p for g in optimizer.param_groups if not g["muon"] for p in g["params"]]
     cut = [p for p in muon if cuts_a_matrix(p)]
     dealt = {id(p) for p in cut if id(p) in optimizer.plan}
+    shared = [p for p in muon if id(p) in optimizer.plan and optimizer.plan[id(p)].whole]  # DDP's replicas'
+    owned = [p for p in shared if dist.get_rank(optimizer.plan[id(p)].group) == optimizer.plan[id(p)].owner]
     mine = {i for i in dealt if dist.get_rank(optimizer.plan[i].group) == optimizer.plan[i].owner}
 
     def gathered(p) -> int:  # what a gather makes whole: the matrix, or this rank's experts' (a stack cut twice)
@@ -321,6 +339,13 @@ def muon_line(optimizer: MuonAdamW) -> str:
         if cut
         else "no matrix is cut: Newton–Schulz where each lies"
     )
+    if shared:  # DDP: every replica would orthogonalise every matrix; each does its share, and broadcasts it
+        mine_ids, replicas = {id(p) for p in owned}, dist.get_world_size(optimizer.plan[id(shared[0])].group)
+        mib = sum(4 * p.numel() for p in shared if id(p) not in mine_ids) / 2**20
+        whole = (
+            f"no matrix is cut; {len(shared)} whole matrices dealt round-robin over the {replicas} replicas, this "
+            f"rank orthogonalising {len(owned)} and broadcasting them: {mib:.2f} MiB received by this rank"
+        )
 
     def held(params, states: int) -> str:  # the optimizer state this rank holds for them
         mib = sum(states * local(p).numel() * p.element_size() for p in params) / 2**20

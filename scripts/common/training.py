@@ -49,9 +49,10 @@ def restride_buffers(model) -> int:
     return changed
 
 
-def make_optimizer(model, args) -> torch.optim.Optimizer:
+def make_optimizer(model, args, replicas: int = 1) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not biases, norms), plain SGD, or Muon for the hidden
-    matrices beside AdamW for the rest (common/muon.py). Each kind of parameter
+    matrices beside AdamW for the rest (common/muon.py; `replicas`: DDP's processes, which step on the same
+    averaged gradients, so Muon deals its matrices over them). Each kind of parameter
     (plain, or a DTensor's mesh and placements) gets its own group, so the multi-tensor kernels run:
     AdamW's fused one, else `foreach` (docs/troubleshooting.md, "Slow or failing optimizer with DTensor
     parameters")."""
@@ -68,7 +69,7 @@ def make_optimizer(model, args) -> torch.optim.Optimizer:
         from .muon import make_muon  # only a Muon run (the Newton–Schulz iteration, the layouts' gathers)
 
         fused = {"fused": True} if all(p.device.type in ("cpu", "cuda") for p in params) else {}
-        return make_muon(model, args, groups, kernels or fused)
+        return make_muon(model, args, groups, kernels or fused, replicas)
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(param_groups, lr=args.learning_rate, **kernels)
     else:
