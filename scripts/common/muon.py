@@ -2,12 +2,14 @@
 matrices, AdamW for the rest (embeddings, the output head, norms, biases), in one optimizer.
 
 Exact on every layout. Newton–Schulz needs the WHOLE matrix, and under FSDP2 and TP a rank holds a
-slice of it (a DTensor). A matrix cut along one mesh dimension has an owner, dealt round-robin over the
-ranks that cut it: each step its slices are gathered on the owner, orthogonalised once there, and cut
-and scattered back, so the Newton–Schulz work is split, not repeated. A matrix cut along two (FSDP
-beside TP) is gathered whole on every rank (`full_tensor`), orthogonalised there (the same bits on
-every rank), and each rank keeps its slice (`distribute_tensor(..., src_data_rank=None)`). A stack of
-matrices cut only along the stack (an expert-parallel rank's experts) is orthogonalised where it lies.
+slice of it (a DTensor). A cut matrix has an owner, dealt round-robin over the ranks that cut it (over
+one group flattened from both mesh dimensions where FSDP and TP both cut it): each step its slices are
+gathered on the owner, orthogonalised once there, and cut and scattered back, so the Newton–Schulz work
+is split, not repeated. Under DDP (`replicas`) the whole matrices are dealt over the replicas, each owner
+broadcasting its result. Where no group spans a matrix's two cuts, it is gathered whole on every rank
+(`full_tensor`), orthogonalised there, and each rank keeps its slice. A stack of matrices cut only along
+the stack (an expert-parallel rank's experts), and a matrix no replica shares (Local SGD, a pipeline
+stage), is orthogonalised where it lies.
 
 Conventions: a matrix's step is 0.2·sqrt(max(A, B)) x --learning_rate (Moonlight's, torch.optim.Muon's
 adjust_lr_fn="match_rms_adamw"): its update's RMS is then AdamW's, so one --learning_rate serves both
@@ -87,21 +89,20 @@ def owners(params: list, replicas: int = 1) -> dict:
     whole matrices are dealt over all processes too."""
     dealt, plan = {}, {}
     for p in params:
-        dims = cutting_dims(p)
-        if not isinstance(p, DTensor) and replicas > 1:
+        dims, dim = cutting_dims(p), None
+        if not isinstance(p, DTensor):
+            if replicas == 1:
+                continue
             group = dist.group.WORLD
-            n = dealt[group] = dealt.get(group, -1) + 1
-            plan[id(p)] = Deal(group, None, n % replicas, [], whole=True)
-            continue
-        if len(dims) == 1 and type(p.placements[dims[0]]) is Shard:
+        elif len(dims) == 1 and type(p.placements[dims[0]]) is Shard:
             group, dim = p.device_mesh.get_group(dims[0]), p.placements[dims[0]].dim % p.ndim
-        elif len(dims) > 1 and (group := flattened_group(p, dims)) is not None:
-            dim = None
-        else:
+        elif len(dims) < 2 or (group := flattened_group(p, dims)) is None:
             continue
         n = dealt[group] = dealt.get(group, -1) + 1
         owner, size = n % dist.get_world_size(group), dist.get_world_size(group)
-        if dim is not None:
+        if not isinstance(p, DTensor):
+            plan[id(p)] = Deal(group, None, owner, [], whole=True)
+        elif dim is not None:
             plan[id(p)] = Deal(group, dim, owner, slice_sizes(p, dim, size))
         else:
             plan[id(p)] = Deal(group, None, owner, *positions(p, group, owner))
@@ -147,15 +148,16 @@ def padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
 def orthogonalise_all(pairs: list, plan: dict, steps: int) -> list:
     """Newton–Schulz of each (parameter, this rank's part of its update), as this rank's part. A cut matrix:
     its slices gathered on its owner, orthogonalised there, the owner's result cut and scattered back
-    (round-robin: the work split over the ranks). Cut along two where no group spans both: gathered on every
-    rank (all-gather), orthogonalised everywhere, each rank keeping its slice. Whole: where it lies."""
+    (round-robin: the work split over the ranks). DDP's whole matrices: orthogonalised by their owner and
+    broadcast. Cut along two where no group spans both: gathered on every rank (all-gather), orthogonalised
+    everywhere, each rank keeping its slice. Whole and unshared: where it lies."""
     results, gathers, scatters, broadcasts = [None] * len(pairs), [], [], []
     for i, (p, update) in enumerate(pairs):
         if id(p) in plan and plan[id(p)].whole:  # MUON: DDP's replicas: the owner's result, broadcast
             deal = plan[id(p)]
             is_owner = dist.get_rank(deal.group) == deal.owner
-            mine = newton_schulz(update, steps).contiguous() if is_owner else None  # (a tall one comes transposed)
-            results[i] = mine if is_owner else torch.empty_like(update, dtype=torch.float32)
+            # contiguous: a tall matrix's result comes transposed, and a broadcast sends its storage order
+            results[i] = newton_schulz(update, steps).contiguous() if is_owner else torch.empty_like(update).float()
             broadcasts.append(dist.broadcast(results[i], group=deal.group, group_src=deal.owner, async_op=True))
         elif not cuts_a_matrix(p):  # whole matrices (or a stack's) on this rank: orthogonalised where they lie
             results[i] = newton_schulz(update, steps)
@@ -320,7 +322,7 @@ def muon_line(optimizer: MuonAdamW) -> str:
     cut = [p for p in muon if cuts_a_matrix(p)]
     dealt = {id(p) for p in cut if id(p) in optimizer.plan}
     shared = [p for p in muon if id(p) in optimizer.plan and optimizer.plan[id(p)].whole]  # DDP's replicas'
-    owned = [p for p in shared if dist.get_rank(optimizer.plan[id(p)].group) == optimizer.plan[id(p)].owner]
+    owned = {id(p) for p in shared if dist.get_rank(optimizer.plan[id(p)].group) == optimizer.plan[id(p)].owner}
     mine = {i for i in dealt if dist.get_rank(optimizer.plan[i].group) == optimizer.plan[i].owner}
 
     def gathered(p) -> int:  # what a gather makes whole: the matrix, or this rank's experts' (a stack cut twice)
@@ -340,8 +342,8 @@ def muon_line(optimizer: MuonAdamW) -> str:
         else "no matrix is cut: Newton–Schulz where each lies"
     )
     if shared:  # DDP: every replica would orthogonalise every matrix; each does its share, and broadcasts it
-        mine_ids, replicas = {id(p) for p in owned}, dist.get_world_size(optimizer.plan[id(shared[0])].group)
-        mib = sum(4 * p.numel() for p in shared if id(p) not in mine_ids) / 2**20
+        replicas = dist.get_world_size(optimizer.plan[id(shared[0])].group)
+        mib = sum(4 * p.numel() for p in shared if id(p) not in owned) / 2**20
         whole = (
             f"no matrix is cut; {len(shared)} whole matrices dealt round-robin over the {replicas} replicas, this "
             f"rank orthogonalising {len(owned)} and broadcasting them: {mib:.2f} MiB received by this rank"
