@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run as files
 
 import torch
 
-from common.builtin_flags import SOURCE_DEFAULTS, add_data_args, check_data_args
+from common.builtin_flags import SOURCE_DEFAULTS, add_data_args, check_data_args, check_max_eval_samples
 from common.causal_lm import logits_of
 from common.cli import SOURCE_KEYS, HelpFormatter
-from common.data import load_data
+from common.data import first_samples, load_data
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.exported import load_exported, task_spec_for
@@ -168,7 +168,8 @@ def main():
     if own_task is None:
         check_data_args(args)
     else:  # your own model: your own data, from its Task
-        validation = own_validation_data(task, own_task[1], args)
+        check_max_eval_samples(args)
+        validation = first_samples(own_validation_data(task, own_task[1], args), args.max_eval_samples)
     args.report_to, args.output_dir = "none", None
 
     accelerator = make_accelerator(args)  # Accelerate: process group, device

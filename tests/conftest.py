@@ -239,18 +239,15 @@ def text_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory, data_cache):
+def reference(shared_run):
     """The single-process train_ddp.py run every strategy is compared with, built once per
-    set of flags for the whole session: reference(*flags) -> its output directory."""
-    cache: dict[tuple, Path] = {}
+    set of flags for the whole session: reference(*flags) -> its output directory;
+    reference.in_turn([flags, ...]) runs those not run yet in one interpreter (SharedRuns.in_turn)."""
 
     def run(*flags: str) -> Path:
-        if flags not in cache:
-            out = tmp_path_factory.mktemp("reference") / "run"
-            launch_tiny("train_ddp.py", out, data_cache, *flags)
-            cache[flags] = out
-        return cache[flags]
+        return shared_run("train_ddp.py", 1, *flags)
 
+    run.in_turn = lambda flag_sets: shared_run.in_turn([("train_ddp.py", 1, *flags) for flags in flag_sets])
     return run
 
 
@@ -277,14 +274,20 @@ class SharedRuns:
     def __init__(self, tmp_path_factory, data_cache: str):
         self.tmp_path_factory, self.data_cache = tmp_path_factory, data_cache
         self.cache: dict[tuple, Path] = {}
+        self.stdout: dict[tuple, str] = {}  # rank 0's (its last 8,000 characters when run in turn)
 
     def __call__(self, script: str, nproc: int, *flags: str) -> Path:
         key = (script, nproc, flags)
         if key not in self.cache:
             out = self.tmp_path_factory.mktemp("shared") / "run"
-            launch_tiny(script, out, self.data_cache, *flags, nproc=nproc)
+            self.stdout[key] = launch_tiny(script, out, self.data_cache, *flags, nproc=nproc).stdout
             self.cache[key] = out
         return self.cache[key]
+
+    def said(self, script: str, nproc: int, *flags: str) -> str:
+        """What that run printed on rank 0's stdout (its start lines, its summary)."""
+        self(script, nproc, *flags)
+        return self.stdout[(script, nproc, flags)]
 
     def in_turn(self, runs: list[tuple]) -> None:
         todo = {}
@@ -300,7 +303,7 @@ class SharedRuns:
             ]
             for (key, out), result in zip(zip(keys, outs, strict=True), run_in_turn(cases, nproc, folder), strict=True):
                 assert result["returncode"] == 0, f"exit {result['returncode']}: {key}\n{result['stderr'][-5000:]}"
-                self.cache[key] = out
+                self.cache[key], self.stdout[key] = out, result["stdout"]
 
 
 @pytest.fixture(scope="session")
@@ -321,11 +324,12 @@ def evals(output_dir) -> list[dict]:
     return [r for r in read_metrics(output_dir) if r["type"] == "eval"]
 
 
-def assert_same_evals(a, b, tol: float = 1e-5) -> None:
+def assert_same_evals(a, b, tol: float = 1e-5, samples: int = 1000) -> None:
+    """The same evaluations, each of `samples` validation samples (1000: all of the addition set's)."""
     ea, eb = evals(a), evals(b)
     assert [r["step"] for r in ea] == [r["step"] for r in eb] and ea
     for x, y in zip(ea, eb, strict=True):
-        assert x["num_samples"] == y["num_samples"] == 1000
+        assert x["num_samples"] == y["num_samples"] == samples
         assert abs(x["eval_loss"] - y["eval_loss"]) < tol and x["exact_match"] == y["exact_match"], (x, y)
 
 

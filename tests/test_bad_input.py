@@ -46,6 +46,7 @@ REFUSED = [
     (["--train_file", "no/such/file.txt"], ["--train_file no/such/file.txt", "no such file"]),
     (["--validation_file", "tests/test_bad_input.py"], ["--validation_file needs --train_file"]),
     (["--batch_size", "0"], ["--batch_size must be at least 1"]),
+    (["--max_eval_samples", "0"], ["--max_eval_samples must be at least 1 (got 0)"]),
     (["--block_size", "8"], ["--block_size 8 is shorter than one addition problem"]),
     (["--model_size", "huge"], ["--model_size 'huge'"]),
     (["--n_head", "5"], ["--n_embd 64 is not divisible by --n_head 5"]),

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 from accelerate import PartialState
 
 from conftest import REPO, TINY, free_port, launch, read_metrics
@@ -16,7 +17,7 @@ from conftest import REPO, TINY, free_port, launch, read_metrics
 sys.path.insert(0, str(REPO / "scripts"))
 import common.data
 from common.builtin_flags import add_data_args
-from common.data import build_addition, hub_unreachable, load_data
+from common.data import build_addition, first_samples, hub_unreachable, load_data
 from common.errors import UsageError
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(200))
@@ -55,6 +56,21 @@ def test_addition_is_deterministic_disjoint_and_masked(tmp_path, state):
     assert text.endswith(targets) and targets.endswith("\n") and "=" not in targets
     counts = {int((data.validation[i]["labels"] != -100).sum()) for i in range(len(data.validation))}
     assert {4, 5} <= counts <= {2, 3, 4, 5}, "answers of 1 to 4 digits (+ newline): unequal target counts"
+
+
+def test_max_eval_samples_keeps_the_first_rows(tmp_path, state, monkeypatch):
+    """--max_eval_samples N: the validation split's first N rows, as tensors or a 🤗 dataset; the train split
+    whole; a split of your own (evaluate.py on your model) cut the same way; more than there are: all."""
+    whole = load_data(data_args(tmp_path / "cache"), state, block_size=64)
+    first = load_data(data_args(tmp_path / "cache", "--max_eval_samples", "10"), state, block_size=64)
+    monkeypatch.setattr(common.data, "IN_MEMORY_MAX_TOKENS", 0)
+    mapped = load_data(data_args(tmp_path / "cache", "--max_eval_samples", "10"), state, block_size=64)
+    assert len(first.validation) == len(mapped.validation) == 10 and len(first.train) == len(whole.train)
+    for i in (0, 9):
+        assert (first.validation[i]["input_ids"] == whole.validation[i]["input_ids"]).all()
+        assert (mapped.validation[i]["labels"] == whole.validation[i]["labels"]).all()
+    own = torch.utils.data.TensorDataset(torch.arange(5))
+    assert [int(x) for (x,) in first_samples(own, 3)] == [0, 1, 2] and first_samples(own, 9) is own
 
 
 @pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".csv"])

@@ -19,6 +19,8 @@ from conftest import (
 # 4 layers, 10 steps, global batch 16; 4-digit addition (16-token rows: sequence parallel can split them);
 # one evaluation, at the end
 FLAGS = ["--n_layer", "4", "--max_steps", "10", "--addition_digits", "4", "--eval_batch_size", "64"]
+# the first 200 validation samples: a pipeline evaluates in training's micro-batches, slowly on 8 processes and 2 cores
+FLAGS += ["--max_eval_samples", "200"]
 STEPS = list(range(1, 11))
 UNSHARDED = "--unsharded_accumulation"
 DEGREES = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}
@@ -76,7 +78,7 @@ def test_layouts_match_single_process(index, layout_runs, reference):
         assert said in stdout
     ref = reference(*FLAGS, "--batch_size", "16")
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
-    assert_same_evals(ref, out)
+    assert_same_evals(ref, out, samples=200)
 
 
 # PP2 x FSDP2 x TP2 on 8 processes, launched once (8 processes on 2 cores are the slowest launch here): its
@@ -96,7 +98,7 @@ def three_d_run(tmp_path_factory, data_cache):
 def test_3d_layout_matches_single_process(three_d_run, reference):
     ref = reference(*FLAGS, "--batch_size", "16")
     assert_same_losses(train_losses(ref), train_losses(three_d_run), STEPS, tol=1e-5)
-    assert_same_evals(ref, three_d_run)
+    assert_same_evals(ref, three_d_run, samples=200)
 
 
 @pytest.mark.xdist_group("hybrid_3d")
@@ -123,7 +125,7 @@ def test_tp_size_1_trains_fsdp_over_all_ranks(reference, tmp_path, data_cache):
     assert "  order: FSDP\n" in result.stdout  # no "tensor parallel" in the order
     ref = reference(*FLAGS, "--batch_size", "16")
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
-    assert_same_evals(ref, out)
+    assert_same_evals(ref, out, samples=200)
     s = summary(out)
     comm, n_units = s["collectives_first_step_rank0"], 4  # --n_layer 4: 4 FSDP units, then the root
     assert set(comm) == {"all_gather", "reduce_scatter"}, comm  # no all-reduce: nothing was split for TP

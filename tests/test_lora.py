@@ -29,6 +29,7 @@ sys.path.insert(0, str(SCRIPTS))
 pytestmark = pytest.mark.xdist_group("lora")
 
 LORA = ["--lora_r", "4", "--max_steps", "10", "--addition_digits", "4", "--eval_every", "10", "--learning_rate", "1e-2"]
+LORA += ["--max_eval_samples", "200"]  # the first 200 validation samples: 8 processes on 2 cores evaluate slowly
 MOE = ["--n_experts", "4", "--top_k", "2"]
 LLAMA = ["--model_config", "llama"]
 MIXTRAL = ["--model_config", "mixtral"]  # transformers' Mixtral with small defaults (8 experts, top 2)
@@ -111,12 +112,14 @@ LAYOUTS = {
     ),
 }
 RUNS = [(script, nproc, *LORA, *flags) for script, nproc, flags, _, _ in LAYOUTS.values()]
+REFERENCES = [(*LORA, *ref_flags) for _, _, _, ref_flags, _ in LAYOUTS.values()]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_one_process(name, shared_run, reference):
     """Same losses (within 1e-5) and evaluation as one process with the same adapters."""
     shared_run.in_turn(RUNS)
+    reference.in_turn(REFERENCES)  # the one-process runs, in one interpreter
     script, nproc, flags, ref_flags, degrees = LAYOUTS[name]
     out = shared_run(script, nproc, *LORA, *flags)
     if degrees:
@@ -192,7 +195,8 @@ def test_the_adapter_is_peft_s_and_reloads(pretrained, tmp_path, data_cache):
     final = evals(out)[-1]
     for folder in (adapter, out / "model"):
         result = tmp_path / f"{folder.name}.json"
-        launch("evaluate.py", ["--model_dir", str(folder), "--batch_size", "250", "--output_file", str(result)])
+        flags = ["--model_dir", str(folder), "--batch_size", "250", "--max_eval_samples", "200"]  # as the run's
+        launch("evaluate.py", [*flags, "--output_file", str(result)])
         scores = json.loads(result.read_text())
         assert abs(scores["eval_loss"] - final["eval_loss"]) < 1e-6, (folder.name, scores, final)
 

@@ -30,6 +30,7 @@ from common.training import make_optimizer
 pytestmark = pytest.mark.xdist_group("muon")
 
 MUON = ["--optimizer", "muon", "--max_steps", "10", "--addition_digits", "4", "--eval_every", "10"]
+MUON += ["--max_eval_samples", "200"]  # the first 200 validation samples: 8 processes on 2 cores evaluate slowly
 MOE = ["--n_experts", "4", "--top_k", "2"]
 LLAMA = ["--model_config", "llama"]
 MIXTRAL = ["--model_config", "mixtral"]  # transformers' Mixtral with small defaults (8 experts, top 2)
@@ -127,6 +128,7 @@ LOCALSGD = ["--batch_size", "8", "--sync_every", "4", "--outer_optimizer", "nest
 LOCALSGD_RUNS = {"gpt": LOCALSGD, "llama": [*LOCALSGD, *LLAMA]}
 RUNS = [(script, nproc, *MUON, *flags) for script, nproc, flags, _, _ in LAYOUTS.values()]
 RUNS += [("train_localsgd.py", 2, *MUON, *flags) for flags in LOCALSGD_RUNS.values()]
+REFERENCES = [(*MUON, *ref_flags) for _, _, _, ref_flags, _ in LAYOUTS.values()]
 
 
 def test_newton_schulz_is_torchs_iteration():
@@ -186,6 +188,7 @@ def test_matches_one_process(name, shared_run, reference):
     """Same losses (within 1e-5) and evaluation as one process with Muon: a cut matrix made whole (dealt
     round-robin, or gathered everywhere where two mesh dimensions cut it) is orthogonalised as one."""
     shared_run.in_turn(RUNS)
+    reference.in_turn(REFERENCES)  # the one-process runs, in one interpreter
     script, nproc, flags, ref_flags, degrees = LAYOUTS[name]
     out = shared_run(script, nproc, *MUON, *flags)
     if degrees:

@@ -41,17 +41,17 @@ def usage_error(monkeypatch, capsys, *flags: str) -> str:
 
 
 # ----------------------------------------------------------------------------- against measurement
-# name: (xdist group, script, processes, run flags, the same layout for the planner). A run with a group is
-# the one that group's parity test launches (shared_run: launched once, on that group's worker); the others
-# run one step here. Pipelines run micro-batches of 32 so that activations, not the weights autograd also
-# keeps, dominate what the run measures. The lora_ runs train LoRA adapters of rank 4 beside the frozen model:
-# every weight counts in param_bytes, only the adapters in grad_bytes and optimizer_bytes, and the collectives
-# change with them (FSDP reduce-scatters the adapters' gradients only; TP adds rank-4 all-reduces). The muon_ runs
-# train with --optimizer muon: one momentum for the 12 hidden matrices in optimizer_bytes, AdamW's state for the rest;
-# its gathers and scatters run in the optimizer step, after the counted forward and backward, so the counted
-# collectives are AdamW's, and the plan's Muon figures are held to the run's `optimizer:` start line instead.
-# The cp runs (ring attention, 4-digit addition: 16 tokens, 8 a rank) count the ring's sends and receives among
-# their collectives; the plan counts the ring apart (ring_bytes_per_layer, ring_sends_per_layer), held to them.
+# name: (xdist group, script, processes, run flags, the same layout for the planner). A run with a group is the one
+# that group's parity test launches (shared_run: launched once, on that group's worker); the others run one step, in
+# turn (ONE_STEP_RUNS). Pipelines run micro-batches of 32 so that activations, not the weights autograd also keeps,
+# dominate what the run measures. The lora_ runs train LoRA adapters of rank 4 beside the frozen model: every weight
+# counts in param_bytes, only the adapters in grad_bytes and optimizer_bytes, and the collectives change with them
+# (FSDP reduce-scatters the adapters' gradients only; TP adds rank-4 all-reduces). The muon_ runs train with
+# --optimizer muon: one momentum for the 12 hidden matrices in optimizer_bytes, AdamW's state for the rest; its
+# gathers and scatters run in the optimizer step, after the counted forward and backward, so the counted collectives
+# are AdamW's, and the plan's Muon figures are held to the run's `optimizer:` start line instead. The cp runs (ring
+# attention, 4-digit addition: 16 tokens, 8 a rank) count the ring's sends and receives among their collectives; the
+# plan counts the ring apart (ring_bytes_per_layer, ring_sends_per_layer), held to them.
 FSDP_RUN = tuple(test_fsdp.FLAGS)  # the parity tests' runs
 TP_RUN = tuple(test_tp.FLAGS)
 ONE_STEP = ("--max_steps", "1")
@@ -151,6 +151,10 @@ RUNS = {
         ["--tp_size", "2", "--batch_size", "16", "--seq_len", "16", "--lora_r", "4", "--optimizer", "muon"],
     ),
 }
+# the runs of no group: one step each, launched in turn (one launch per process count), on one worker
+ONE_STEP_RUNS = [(script, nproc, *flags) for group, script, nproc, flags, _ in RUNS.values() if group is None]
+MUON_DDP_RUN = ("train_ddp.py", 2, *ONE_STEP, "--optimizer", "muon")
+ONE_STEP_RUNS.append(MUON_DDP_RUN)
 MUON_DDP_LINE = re.compile(
     r"no matrix is cut; (\d+) whole matrices dealt round-robin over the (\d+) replicas, this rank orthogonalising "
     r"(\d+) and broadcasting them: ([\d.]+) MiB received by this rank"
@@ -163,9 +167,9 @@ MUON_LINE = re.compile(
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(name, marks=[pytest.mark.xdist_group(run[0])] if run[0] else []) for name, run in RUNS.items()],
+    [pytest.param(name, marks=[pytest.mark.xdist_group(run[0] or "one_step")]) for name, run in RUNS.items()],
 )
-def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data_cache, shared_run):
+def test_plan_matches_the_measured_run(name, monkeypatch, capsys, shared_run):
     """A real run of the layout; the plan for the same layout gives its state bytes (1%), its
     first-step collectives (calls exactly; bytes exactly but for the pipeline's first-step shape
     metadata, a few hundred bytes), under a pipeline each stage's activations (25%), and with Muon
@@ -173,10 +177,9 @@ def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data
     group, script, nproc, run_flags, plan_flags = RUNS[name]
     if group:  # the parity tests' runs, one launch per process count
         shared_run.in_turn({"fsdp": test_fsdp, "tp": test_tp}[group].PARITY_RUNS)
-        out, started = shared_run(script, nproc, *run_flags), None
     else:
-        out = tmp_path / name
-        started = launch_tiny(script, out, data_cache, *run_flags, nproc=nproc)
+        shared_run.in_turn(ONE_STEP_RUNS)
+    out, said = shared_run(script, nproc, *run_flags), shared_run.said(script, nproc, *run_flags)
     measured = summary(out)
     degrees = {"--pp_size": "1", "--dp_replicate": "1", "--dp_shard": "1", "--tp_size": "1", "--n_microbatches": "1"}
     degrees.update({f: v for f, v in zip(plan_flags[::2], plan_flags[1::2], strict=True) if f in degrees})
@@ -213,8 +216,8 @@ def test_plan_matches_the_measured_run(name, monkeypatch, capsys, tmp_path, data
         assert planned[kind]["mib"] - 1e-4 <= figures["mib"] <= planned[kind]["mib"] + 1e-4 + metadata, kind
 
     if "muon" in record:  # the optimizer step's gathers and scatters: rank 0's start line
-        muon, line = record["muon"], MUON_LINE.search(started.stdout)
-        assert line, started.stdout[-3000:]
+        muon, line = record["muon"], MUON_LINE.search(said)
+        assert line, said[-3000:]
         figures = ("matrices", "cut", "dealt_round_robin", "orthogonalised_rank0", "cut_twice")
         assert [muon[f] for f in figures] == [int(x) for x in line.groups()[:5]]
         assert abs(muon["received_mib_rank0"] - float(line[6])) <= 0.005
@@ -273,12 +276,14 @@ def counted_flops(shape: tuple, steps: int = 5) -> int:
     return counter.get_total_flops()
 
 
-def test_muon_under_ddp_plan_matches_the_run(monkeypatch, capsys, tmp_path, data_cache):
+@pytest.mark.xdist_group("one_step")
+def test_muon_under_ddp_plan_matches_the_run(monkeypatch, capsys, shared_run):
     """train_ddp.py with --optimizer muon on 2 processes deals the whole matrices over its replicas: the plan's
     count, rank 0's share and the MiB it receives by broadcast are the run's `optimizer:` start line."""
-    started = launch_tiny("train_ddp.py", tmp_path / "run", data_cache, *ONE_STEP, "--optimizer", "muon", nproc=2)
-    line = MUON_DDP_LINE.search(started.stdout)
-    assert line, started.stdout[-3000:]
+    shared_run.in_turn(ONE_STEP_RUNS)
+    said = shared_run.said(*MUON_DDP_RUN)
+    line = MUON_DDP_LINE.search(said)
+    assert line, said[-3000:]
     flags = ("--model_size", "tiny", "--world_size", "2", "--pp_size", "1", "--dp_replicate", "2", "--dp_shard", "1")
     muon = plan(monkeypatch, capsys, *flags, "--tp_size", "1", "--n_microbatches", "1", "--optimizer", "muon")[0]
     muon = muon["muon"]

@@ -138,6 +138,8 @@ def add_data_args(parser, defaults_from_model: bool = False) -> None:
     held_out = "the last 5%% of --train_file"
     validation = f"the model's, from --model_dir's data.json; if none, {held_out}" if defaults_from_model else held_out
     g.add_argument("--validation_file", help=f"local validation file (default: {validation})")
+    first = "evaluate on the first N validation samples only (default: all): quicker evaluations of a large split"
+    g.add_argument("--max_eval_samples", type=int, metavar="N", help=first)
     g.add_argument(
         "--document_mask",
         action="store_true",
@@ -149,8 +151,14 @@ def add_data_args(parser, defaults_from_model: bool = False) -> None:
     g.add_argument("--data_cache_dir", default=str(DEFAULT_CACHE_DIR), help="where built data and 🤗 caches go")
 
 
+def check_max_eval_samples(args) -> None:
+    if args.max_eval_samples is not None and args.max_eval_samples < 1:
+        raise UsageError(f"--max_eval_samples must be at least 1 (got {args.max_eval_samples}): leave it out for all")
+
+
 def check_data_args(args) -> None:
     """Checks that need no data: run before any process group exists."""
+    check_max_eval_samples(args)
     if args.validation_file and not args.train_file:
         raise UsageError("--validation_file needs --train_file: pass the training file too")
     for flag in ("train_file", "validation_file"):

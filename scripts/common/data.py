@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from .builtin_flags import FILE_BUILDERS
 from .errors import UsageError
@@ -412,6 +412,7 @@ def load_data(args, accelerator, block_size: int, tokenizer=None) -> Data:
             error = e
     if error:
         raise error
+    splits["validation"] = first_samples(splits["validation"], getattr(args, "max_eval_samples", None))
     for name, split in splits.items():
         if len(split) == 0:
             n_bytes = sum(len(str(t).encode()) for t in raw[name][args.text_column])
@@ -429,6 +430,13 @@ def load_data(args, accelerator, block_size: int, tokenizer=None) -> Data:
         seq_len=seq_len,
         name=data_name(args) + (", documents masked apart (--document_mask)" if kwargs.get("documents") else ""),
     )
+
+
+def first_samples(split, n: int | None):
+    """--max_eval_samples: the first `n` rows of a split (addition problems, packed blocks), all if None."""
+    if n is None or n >= len(split):
+        return split
+    return split.select(range(n)) if hasattr(split, "select") else Subset(split, range(n))
 
 
 class TensorRows(Dataset):
