@@ -284,6 +284,29 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
             proc.wait()
 
 
+def test_a_peer_still_being_ended_is_named(monkeypatch):
+    """A SIGKILLed process's sockets close (its peers see "Connection reset") before the kernel makes it a
+    zombie; on a loaded machine a peer can look in between, and the lost rank went unnamed. /proc's flags say
+    the kernel is ending it (PF_EXITING): named once it is a zombie, with how it ended, or after a second
+    without. /proc is replayed here: the window is too short to hit on purpose."""
+    from common import peer_records, peers
+
+    def stat(state: str, flags: int, status: int = 0) -> list[str]:
+        fields = ["0"] * 50
+        fields[0], fields[6], fields[19], fields[49] = state, str(flags), "7", str(status)
+        return fields
+
+    peer = {"pid": 4242, "started": "7"}
+    ending, killed = stat("R", peers.PF_EXITING), stat("Z", peers.PF_EXITING, status=signal.SIGKILL)
+    reads = iter([ending, ending, killed])
+    monkeypatch.setattr(peer_records, "_proc_stat", lambda pid: next(reads))
+    assert peers._state_of(peer) == ("gone", ", killed by SIGKILL")
+    monkeypatch.setattr(peer_records, "_proc_stat", lambda pid: ending)
+    assert peers._state_of(peer) == ("gone", "")
+    monkeypatch.setattr(peer_records, "_proc_stat", lambda pid: stat("S", 0x400000))  # running: maybe a survivor
+    assert peers._state_of(peer) is None
+
+
 def test_a_peer_killed_during_evaluate_py_leaves_one_line(tmp_path, data_cache):
     """evaluate.py has no preemption handler: when rank 1 is SIGKILLed, the launcher ends rank 0 with SIGTERM,
     which ended it in silence (exit != 0, no line). Now rank 0 says so in one line."""

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,16 +42,32 @@ def _left_as_survivor(logs: Path, peer: dict) -> bool:
         return False
 
 
+PF_EXITING = 0x4  # /proc/<pid>/stat's flags: the kernel is ending the process
+
+
+def _settled_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields, waiting up to a second for a process being ended to become a zombie: the
+    kernel closes its sockets (how its peers learn it died) before it records how the process ended."""
+    for _ in range(100):
+        stat = peer_records._proc_stat(pid)
+        if stat is None or stat[0] in "ZX" or not int(stat[6]) & PF_EXITING:
+            return stat
+        time.sleep(0.01)
+    return stat
+
+
 def _state_of(peer: dict) -> tuple[str, str] | None:
     """What /proc says of a peer's process: ("gone", how, where it is not reaped yet), ("stopped", ""), or None
     (running or waiting: it may be a survivor still writing its own line)."""
-    stat = peer_records._proc_stat(peer["pid"])
+    stat = _settled_stat(peer["pid"])
     if stat is None or (peer["started"] is not None and stat[19] != peer["started"]):
         return "gone", ""  # reaped by the launcher already, or its pid since taken by another process
     if stat[0] in "ZX":  # ended, not reaped yet: its exit status is still there
         status = int(stat[49])
         how = f"killed by {signal.Signals(status & 0x7F).name}" if status & 0x7F else f"exit code {status >> 8}"
         return "gone", f", {how}"
+    if int(stat[6]) & PF_EXITING:
+        return "gone", ""  # still being ended after a second (a large process frees its memory first)
     if stat[0] in "Tt":
         return "stopped", ""
     return None
