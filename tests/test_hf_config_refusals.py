@@ -2,8 +2,9 @@
 `error:` line naming the field and the fix (issue 42): a field of the wrong type, heads that do not divide the
 hidden size (checked by the config, or by BLOOM only when the model is built), KV heads that do not divide the
 query heads, a sliding window of 0 or fewer tokens on a layer that uses it (transformers' sdpa and eager disagree
-on it, its KV cache fails: one process and Ulysses trained 3.6e-2 apart); and Falcon under context
-parallelism, whose layers compute attention themselves (its forward failed with a TypeError at set-up)."""
+on it, its KV cache fails: one process and Ulysses trained 3.6e-2 apart); and under context parallelism, Falcon,
+whose layers compute attention themselves (its forward failed with a TypeError at set-up), and attention dropout
+under any config name (found by a forward in training mode, not by the field's name)."""
 
 import argparse
 import json
@@ -89,14 +90,44 @@ def test_an_unused_window_of_0_builds(tmp_path):
     assert model.config.sliding_window == 0
 
 
+# attention dropout under the names families give it; the ring and Ulysses cannot apply it, and the
+# check that knew one name let GPT-2's attn_pdrop through (cp 2 trained 1.8e-2 from one process)
+DROPPING_ATTENTION = {
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 8,
+        "n_positions": 64,
+        "attn_pdrop": 0.1,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+    },
+    "llama": {"model_type": "llama", **DENSE, "attention_dropout": 0.1},
+}
+
+
 @pytest.mark.xdist_group("falcon_cp")
-def test_falcon_under_context_parallelism_is_refused_in_one_line(tmp_path, data_cache):
-    config = write_more_configs(tmp_path, ["falcon"])["falcon"]
-    common = [*FLAGS, "--cp_size", "2", "--model_config", str(config), "--data_cache_dir", data_cache]
-    cases = [
-        [str(SCRIPTS / "train_cp.py"), [*common, "--output_dir", str(tmp_path / "ring")]],
-        [str(SCRIPTS / "train_cp.py"), [*common, "--cp_impl", "ulysses", "--output_dir", str(tmp_path / "ulysses")]],
+def test_what_context_parallelism_cannot_compute_is_refused_in_one_line(tmp_path, data_cache):
+    """Falcon, whose layers compute attention themselves, under the ring and Ulysses; then attention dropout
+    under two config names, through train_cp.py and train_hybrid.py: all in one 2-process launch."""
+    configs = {"falcon": write_more_configs(tmp_path, ["falcon"])["falcon"]}
+    for family, config in DROPPING_ATTENTION.items():
+        configs[family] = tmp_path / f"{family}.json"
+        configs[family].write_text(json.dumps(config))
+    runs = [
+        ("falcon", "train_cp.py", [], ["--cp_size: falcon", "compute attention themselves", "without --cp_size"]),
+        ("falcon", "train_cp.py", ["--cp_impl", "ulysses"], ["--cp_size: falcon", "compute attention themselves"]),
+        ("gpt2", "train_cp.py", [], ["--cp_size", "drops attention weights in training (p 0.1)", "attn_pdrop"]),
+        ("llama", "train_cp.py", ["--cp_impl", "ulysses"], ["drops attention weights in training (p 0.1)"]),
+        ("gpt2", "train_hybrid.py", [], ["--cp_size", "drops attention weights in training (p 0.1)"]),
     ]
-    for result, impl in zip(run_in_turn(cases, 2, tmp_path / "in_turn"), ("ring", "ulysses"), strict=True):
-        assert_one_line(result, "--cp_size: falcon", "compute attention themselves", "without --cp_size")
-        assert not (tmp_path / impl).exists()
+    cases = []
+    for i, (family, script, flags, _) in enumerate(runs):
+        args = [*FLAGS, "--cp_size", "2", *flags, "--model_config", str(configs[family])]
+        cases.append(
+            [str(SCRIPTS / script), [*args, "--data_cache_dir", data_cache, "--output_dir", str(tmp_path / f"run{i}")]]
+        )
+    for i, (result, (family, script, _, needles)) in enumerate(zip(run_in_turn(cases, 2, tmp_path / "in_turn"), runs)):
+        assert_one_line(result, *needles)
+        assert not (tmp_path / f"run{i}").exists(), f"{family} ({script}) wrote its output"

@@ -22,9 +22,11 @@ def check_cp_size(cp_size: int, n_processes: int) -> None:
         )
 
 
-def check_cp(layout, model, task, args) -> None:
+def check_cp(layout, model, task, args) -> dict | None:
     """One line each: the model's Task can replace its attention, 2 x cp divides the sequence, no
-    dropout in the ring, nothing else that cuts the sequence."""
+    dropout in the ring, nothing else that cuts the sequence; then a forward through the contract in
+    training mode: an attention that drops weights, under any config name, is refused too. Returns
+    what the attention receives (attention_shapes), None at cp 1."""
     cp = layout.cp
     if cp > 1:
         task.set_attention(model, None)  # a Task that cannot replace the model's attention says so here
@@ -54,6 +56,16 @@ def check_cp(layout, model, task, args) -> None:
         flag = "--pp_size" if layout.pp > 1 else "--sequence_parallel" if sequence_parallel else "--loss_parallel"
         why = "is not supported yet (the ring cuts the sequence)"
         raise UsageError(f"{flag} beside --cp_size {why}: drop one of them")
+    if cp == 1:
+        return None
+    shapes = attention_shapes(task, model, next(model.parameters()).device)
+    if shapes["dropout"]:  # the ring and Ulysses take dropout_p and cannot apply it
+        raise UsageError(
+            f"--cp_size: the model drops attention weights in training (p {shapes['dropout']:g}), which "
+            "CP's attention does not: set the model's attention dropout to 0 (attention_dropout or "
+            "attn_pdrop in a 🤗 config), or train without --cp_size"
+        )
+    return shapes
 
 
 def check_ulysses_heads(layout, shapes: dict) -> None:
@@ -72,8 +84,7 @@ def check_cp_model(layout, model, task, args, device) -> dict | None:
     """train_cp.py's checks of the model, in order: check_cp, then what the attention receives
     (attention_shapes: heads, widths, layers, windows; None without CP), then under --cp_impl
     ulysses the heads against cp. Returns the shapes (the bytes, the chunks, the start line)."""
-    check_cp(layout, model, task, args)
-    kv_shape = attention_shapes(task, model, device) if layout.cp > 1 else None
+    kv_shape = check_cp(layout, model, task, args)
     if layout.cp > 1 and args.cp_impl == "ulysses":
         check_ulysses_heads(layout, kv_shape)
     return kv_shape

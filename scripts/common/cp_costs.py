@@ -81,20 +81,22 @@ def attention_shapes(task, model, device) -> dict:
     Task.forward_at): one forward of 2 tokens with a recording attention in every layer gives the
     query and K/V heads and widths as the attention receives them (heads x head_dim; grouped KV
     heads may arrive repeated), the layers that call it and each one's sliding window (None: the
-    whole past): the ring's and Ulysses' bytes, the ring's chunks, and Ulysses' head check."""
-    seen, windows = [], []
+    whole past): the ring's and Ulysses' bytes, the ring's chunks, and Ulysses' head check. In
+    training mode, the generator put back after: the largest dropout_p asked for (check_cp)."""
+    seen, windows, dropouts = [], [], [0.0]
 
     def recording_attention(q, k, v, dropout_p=0.0, window=None, sinks=None, softcap=None, documents=None):
         kv_width = (k.shape[1] * k.shape[-1] + v.shape[1] * v.shape[-1]) / 2
         seen.append((q.shape[1], k.shape[1], q.shape[1] * q.shape[-1], kv_width))
         windows.append(window)
+        dropouts.append(float(dropout_p or 0.0))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
     was_training = model.training
-    model.eval()
+    model.train()  # a layer asks for its attention dropout only in training
     task.set_attention(model, recording_attention)
-    try:
-        with torch.no_grad():
+    try:  # fork_rng: the other dropouts' draws leave no trace on a resumed run's generator
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             ids, positions = torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device)
             task.forward_at(model, ids, positions)
     finally:
@@ -102,7 +104,7 @@ def attention_shapes(task, model, device) -> dict:
         model.train(was_training)
     q_heads, kv_heads, q_width, width = seen[0] if seen else (0, 0, 0, 0)
     shapes = {"q_heads": q_heads, "kv_heads": kv_heads, "q_width": q_width, "width": width, "layers": len(seen)}
-    return shapes | {"windows": windows}
+    return shapes | {"windows": windows, "dropout": max(dropouts)}
 
 
 # ---------------------------------------- bytes per step: formulas, the start line, the summary

@@ -839,7 +839,8 @@ class HFCausalLMTask(CausalLMTask):
                 "softcap": kwargs.get("softcap"),
                 "documents": self.documents,  # the whole sequences' document ids (forward_at's), or None
             }
-            out = attention(query, key, value, **{k: v for k, v in masks.items() if v is not None})[..., :v_dim]
+            masks = {k: v for k, v in masks.items() if v is not None}
+            out = attention(query, key, value, dropout_p=dropout, **masks)[..., :v_dim]
             return out.transpose(1, 2).contiguous(), None  # transformers wants (B, T, H, D)
 
         AttentionInterface.register(REPLACED_ATTENTION, replaced_attention)
@@ -850,13 +851,8 @@ class HFCausalLMTask(CausalLMTask):
         """Context parallelism computes causal softmax attention with what a family's layers pass to the
         attention function (each layer's sliding window, gpt-oss's sinks, Gemma 2's soft-capping, the score scale);
         what it does not compute is refused before training, one line, rather than trained on other scores:
-        attention dropout."""
-        c, family = self.hf_config, self.hf_config.model_type
-        if getattr(c, "attention_dropout", 0.0):
-            raise UsageError(
-                f"--cp_size: {family} drops attention weights (attention_dropout {c.attention_dropout}), which "
-                "context parallelism does not: set attention_dropout 0 in the config, or train without --cp_size"
-            )
+        a forward that fails with the attention replaced; attention dropout, under whatever name the config
+        gives it, is asked for as dropout_p in training (cp_checks.check_cp)."""
         self._check_runs_with_attention_replaced(model)
 
     def _check_runs_with_attention_replaced(self, model: nn.Module) -> None:
