@@ -34,6 +34,20 @@ REFUSED = {
         "output_router_logits false",
     ),
     "n_experts": ({"model_type": "mixtral", **FAMILIES["mixtral"]}, ["--n_experts", "4"], "--n_experts", "drop"),
+    # the weight of the balance loss under a name of the family's own (JetMoE's aux_loss_coef)
+    "aux_loss_coef": (
+        {"model_type": "jetmoe", **FAMILIES["mixtral"], "output_router_logits": True, "aux_loss_coef": 0.01},
+        [],
+        "auxiliary balance loss",
+        "weight 0.01",
+    ),
+    # PhiMoE's second jitter, on the MoE block's input (its router's is off here)
+    "input_jitter": (
+        {"model_type": "phimoe", **FAMILIES["mixtral"], "router_jitter_noise": 0.0, "input_jitter_noise": 0.01},
+        [],
+        "input_jitter_noise 0.01",
+        "set input_jitter_noise 0",
+    ),
 }
 
 

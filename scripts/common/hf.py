@@ -340,15 +340,22 @@ def check_takes_position_ids(model: nn.Module) -> None:
 
 def _check_loss_is_ours(config, what: str) -> None:
     """The scripts' loss is the next-token cross-entropy, summed (CausalLMTask). A config that asks its
-    forward for more (an MoE's auxiliary balance loss) would be silently dropped: refused, one line."""
-    coef = getattr(config, "router_aux_loss_coef", 0) or 0
-    if getattr(config, "output_router_logits", False) and coef:
-        raise UsageError(
-            f"{what}: {config.model_type}'s config asks for its auxiliary balance loss (output_router_logits, "
-            f"router_aux_loss_coef {coef}), which the scripts' loss does not hold: a mean over each forward's "
-            "tokens, it does not add up over data-parallel ranks or micro-batches, so no layout would compute the "
-            "one-process loss; set output_router_logits false (or router_aux_loss_coef 0) in the config"
-        )
+    forward for more (output_router_logits: an MoE's auxiliary balance loss) would be silently dropped:
+    refused, one line, unless its weight is 0. Families name the weight differently (JetMoE's aux_loss_coef,
+    DBRX's ffn_config.moe_loss_weight), so a weight under no name read here counts as not 0."""
+    if not getattr(config, "output_router_logits", False):
+        return
+    weights = [getattr(config, n, None) for n in ("router_aux_loss_coef", "aux_loss_coef")]
+    weights.append(getattr(getattr(config, "ffn_config", None), "moe_loss_weight", None))
+    named = [w for w in weights if w is not None]
+    if named and not any(named):
+        return
+    raise UsageError(
+        f"{what}: {config.model_type}'s config asks for its auxiliary balance loss (output_router_logits, "
+        f"weight {named[0] if named else 'under a name of its own'}), which the scripts' loss does not hold: a "
+        "mean over each forward's tokens, it does not add up over data-parallel ranks or micro-batches, so no "
+        "layout would compute the one-process loss; set output_router_logits false in the config"
+    )
 
 
 def is_on_meta(model: nn.Module) -> bool:

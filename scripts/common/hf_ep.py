@@ -44,11 +44,13 @@ def check_hf_experts(model, task, expert_modules: list, ep: int) -> None:
             f"{ep} ranks cannot hold equal shares of; use an --ep_size that divides the expert "
             "count"
         )
-    if getattr(c, "router_jitter_noise", 0):
-        raise UsageError(
-            f"{c.model_type}'s router_jitter_noise {c.router_jitter_noise} scales every token by "
-            "random noise, which differs with the layout; set router_jitter_noise 0 in the config"
-        )
+    jitter = {n: getattr(c, n, 0) for n in ("router_jitter_noise", "input_jitter_noise")}  # PhiMoE: both
+    for name, noise in jitter.items():
+        if noise:
+            raise UsageError(
+                f"{c.model_type}'s {name} {noise} scales every token by random noise, which "
+                f"differs with the layout; set {name} 0 in the config"
+            )
 
 
 def route_hf_experts(experts: nn.Module, ep_mesh, dispatch, combine) -> None:
