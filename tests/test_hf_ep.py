@@ -13,6 +13,7 @@ Three launches in all (the reference, 2 and 4 processes), each running its cases
 import json
 
 import pytest
+from more_zoo_configs import MORE_FAMILIES
 from zoo_configs import FAMILIES, MOE_FAMILIES, write_configs
 
 from conftest import SCRIPTS, TINY, run_in_turn, train_losses
@@ -40,6 +41,13 @@ REFUSED = {
         [],
         "auxiliary balance loss",
         "weight 0.01",
+    ),
+    # Llama 4's experts compute every token, weighted by the router's mask: its plan names none for EP
+    "unnamed_experts": (
+        {"model_type": "llama4_text", **MORE_FAMILIES["llama4_text"]},
+        [],
+        "llama4_text's are not named for expert parallelism",
+        "train_fsdp.py",
     ),
     # PhiMoE's second jitter, on the MoE block's input (its router's is off here)
     "input_jitter": (

@@ -112,3 +112,24 @@ def test_a_parents_init_is_seen_writing_a_child_even_where_torch_skips_meta():
     assert torch.equal(rng, torch.get_rng_state())
     assert writes == [set(), set(), {id(block.router.weight), id(block.proj.weight)}]
     assert not block.router.weight.is_meta  # the model's own tensors are back in their slots
+
+
+# where each family keeps its decoder layers (the units every strategy cuts at), as load_hf_model finds them
+UNITS = {
+    "llama4_text": "model.layers",  # its base model is held as `model` but named `language_model`
+    "opt": "model.decoder.layers",  # a floor down
+    "mamba": "backbone.layers",
+    "gpt2": "transformer.h",
+}
+
+
+@pytest.mark.parametrize("family", list(UNITS))
+def test_the_layers_are_found_where_each_family_keeps_them(configs, family):
+    """And the base model is the module that holds them: TP's and PP's plans are paths from it. Mamba, which
+    has no attention heads, is described without them."""
+    args = argparse.Namespace(model_config=str(configs[family]), model_name_or_path=None)
+    model, task = load_hf_model(args, 16, "text", tokenizer=None, on_meta=True)
+    assert task.units_path == UNITS[family]
+    assert model.get_submodule(task.units_path) in list(model.base_model.modules())
+    assert model.base_model is not model
+    assert ("no attention heads" in task.describe(model)) == (family == "mamba")

@@ -309,6 +309,7 @@ def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto", on_meta:
         source += ", loaded whole on every rank: its files' tensor names are not the model's"
     what = f"--model_config {spec}" if spec else f"--model_name_or_path {name}"
     _check_loss_is_ours(model.config, what)
+    _name_the_base_model(model)
     units_path = _units_path(model, what)
     check_vocab_fits(model, tokenizer)
     model.train()  # from_pretrained returns it in eval mode
@@ -658,11 +659,22 @@ def _check_causal_lm(config, what: str) -> None:
         )
 
 
+def _name_the_base_model(model: nn.Module) -> None:
+    """Llama 4's text model is named `language_model` (base_model_prefix), as in the multimodal model, but is
+    held as `model`: model.base_model was then the whole model. The one child that is a 🤗 model is the base."""
+    from transformers import PreTrainedModel
+
+    if getattr(model, model.base_model_prefix or "", None) is None:
+        bases = [n for n, m in model.named_children() if isinstance(m, PreTrainedModel)]
+        if len(bases) == 1:
+            model.base_model_prefix = bases[0]  # this instance's; the class keeps its own
+
+
 def _units_path(model: nn.Module, what: str) -> str:
     """Where the decoder layers are, the units every strategy cuts at: the base model's ModuleList, e.g.
     "model.layers" (Llama, Qwen, Mistral, Gemma ...) or "gpt_neox.layers" (GPT-NeoX / Pythia). The family's
     base_model_pp_plan names its parts in order (embedding, layers, final norm): its ModuleList is taken
-    first, else the base model's only ModuleList."""
+    first, else the base model's only ModuleList, else the only one a floor down ("model.decoder.layers")."""
     prefix = model.base_model_prefix
     inner = getattr(model, prefix, None) if prefix else None
     if inner is None:
@@ -670,6 +682,10 @@ def _units_path(model: nn.Module, what: str) -> str:
         raise UsageError(f"{what}: {type(model).__name__} has no base model (it has: {found}); pass a causal LM")
     names = list(getattr(model.config, "base_model_pp_plan", None) or {}) or [n for n, _ in inner.named_children()]
     lists = [n for n in names if isinstance(getattr(inner, n, None), nn.ModuleList)]
+    if not lists:  # OPT keeps them a floor down: model.decoder.layers
+        lists = [
+            f"{n}.{m}" for n, c in inner.named_children() for m, s in c.named_children() if isinstance(s, nn.ModuleList)
+        ]
     if len(lists) != 1:
         found = ", ".join(n for n, _ in inner.named_children())
         raise UsageError(
@@ -771,7 +787,9 @@ class HFCausalLMTask(CausalLMTask):
     def describe(self, model: nn.Module) -> str:
         c = self.hf_config
         n = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
-        kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        heads = getattr(c, "num_attention_heads", None)  # Mamba: none
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        attention = f"{heads} heads / {kv} KV heads" if heads else "no attention heads"
         if self.tokenizer is not None:
             vocab = f"vocabulary {c.vocab_size} (tokenizer {type(self.tokenizer).__name__}, {len(self.tokenizer)} ids)"
         elif c.vocab_size == BYTE_VOCAB:
@@ -781,7 +799,7 @@ class HFCausalLMTask(CausalLMTask):
         tied = ", tied embeddings" if c.tie_word_embeddings else ""
         return (
             f"model {c.model_type} (🤗 transformers, {self.source}): {n / 1e6:.2f}M parameters, "
-            f"{c.num_hidden_layers} layers x {c.hidden_size} wide, {c.num_attention_heads} heads / {kv} KV heads, "
+            f"{c.num_hidden_layers} layers x {c.hidden_size} wide, {attention}, "
             f"{vocab}{tied}"
         )
 
@@ -790,8 +808,8 @@ class HFCausalLMTask(CausalLMTask):
 
     def flops_per_item(self, n_params: int) -> float:
         """Per token: 6N (forward + backward matmuls) + 12·L·(heads·head_dim)·T (attention scores), as GPT's."""
-        c = self.hf_config
-        width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        c, heads = self.hf_config, getattr(self.hf_config, "num_attention_heads", None) or 0
+        width = heads * (getattr(c, "head_dim", None) or c.hidden_size // max(heads, 1))  # 0: no attention
         return 6 * n_params + 12 * c.num_hidden_layers * width * self.tokens_per_sample
 
     def export(self, state_dict: dict, model_dir, data_source: dict) -> None:

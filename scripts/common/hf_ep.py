@@ -31,6 +31,12 @@ def check_hf_experts(model, task, expert_modules: list, ep: int) -> None:
     """What EP needs of a 🤗 model, one line each, before training: experts to cut (a dense
     family has none), a count ep divides, and routing that a data-parallel split does not change."""
     c = task.hf_config
+    if not expert_modules and any("experts" in name for name, _ in model.named_modules()):
+        raise UsageError(  # Llama 4: experts that compute every token, weighted by the router's mask
+            f"train_ep.py cuts the experts of MoE layers, and {c.model_type}'s are not named for expert "
+            "parallelism (its config has no ep_dispatch_experts in base_model_ep_plan), so nothing says "
+            "how its MoE layers call them: train it with train_fsdp.py"
+        )
     if not expert_modules:
         raise UsageError(
             f"train_ep.py cuts the experts of MoE layers, and {c.model_type} has none (its config "
