@@ -4,14 +4,15 @@ hidden size (checked by the config, or by BLOOM only when the model is built), K
 query heads, a sliding window of 0 or fewer tokens on a layer that uses it (transformers' sdpa and eager disagree
 on it, its KV cache fails: one process and Ulysses trained 3.6e-2 apart); and under context parallelism, Falcon,
 whose layers compute attention themselves (its forward failed with a TypeError at set-up), and attention dropout
-under any config name (found by a forward in training mode, not by the field's name)."""
+under any config name (found by a forward in training mode, not by the field's name); and a layer drop on more
+than one data-parallel rank (found by which layers run)."""
 
 import argparse
 import json
 import sys
 
 import pytest
-from more_zoo_configs import write_more_configs
+from more_zoo_configs import MORE_FAMILIES, write_more_configs
 
 from conftest import SCRIPTS, TINY, run_in_turn, run_refused
 
@@ -94,7 +95,6 @@ def test_an_unused_window_of_0_builds(tmp_path):
 # check that knew one name let GPT-2's attn_pdrop through (cp 2 trained 1.8e-2 from one process)
 DROPPING_ATTENTION = {
     "gpt2": {
-        "model_type": "gpt2",
         "n_embd": 64,
         "n_layer": 2,
         "n_head": 8,
@@ -103,31 +103,35 @@ DROPPING_ATTENTION = {
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
     },
-    "llama": {"model_type": "llama", **DENSE, "attention_dropout": 0.1},
+    "llama": {**DENSE, "attention_dropout": 0.1},
 }
 
 
 @pytest.mark.xdist_group("falcon_cp")
-def test_what_context_parallelism_cannot_compute_is_refused_in_one_line(tmp_path, data_cache):
-    """Falcon, whose layers compute attention themselves, under the ring and Ulysses; then attention dropout
-    under two config names, through train_cp.py and train_hybrid.py: all in one 2-process launch."""
+def test_what_the_ranks_cannot_compute_together_is_refused_in_one_line(tmp_path, data_cache):
+    """Falcon, whose layers compute attention themselves, under the ring and Ulysses; attention dropout under
+    two config names, through train_cp.py and train_hybrid.py; XGLM's layer drop, which skips other layers on
+    each data-parallel rank (DDP raised at step 2, FSDP waited out its collective timeout), through
+    train_ddp.py and train_fsdp.py: all in one 2-process launch, nothing written."""
     configs = {"falcon": write_more_configs(tmp_path, ["falcon"])["falcon"]}
-    for family, config in DROPPING_ATTENTION.items():
+    for family, config in {**DROPPING_ATTENTION, "xglm": {**MORE_FAMILIES["xglm"], "layerdrop": 0.5}}.items():
         configs[family] = tmp_path / f"{family}.json"
-        configs[family].write_text(json.dumps(config))
+        configs[family].write_text(json.dumps({"model_type": family, **config}))
+    cp, dropped = ["--cp_size", "2"], ["skips layers at random in training", "set the layer drop to 0"]
     runs = [
-        ("falcon", "train_cp.py", [], ["--cp_size: falcon", "compute attention themselves", "without --cp_size"]),
-        ("falcon", "train_cp.py", ["--cp_impl", "ulysses"], ["--cp_size: falcon", "compute attention themselves"]),
-        ("gpt2", "train_cp.py", [], ["--cp_size", "drops attention weights in training (p 0.1)", "attn_pdrop"]),
-        ("llama", "train_cp.py", ["--cp_impl", "ulysses"], ["drops attention weights in training (p 0.1)"]),
-        ("gpt2", "train_hybrid.py", [], ["--cp_size", "drops attention weights in training (p 0.1)"]),
+        ("falcon", "train_cp.py", cp, ["--cp_size: falcon", "compute attention themselves", "without --cp_size"]),
+        ("falcon", "train_cp.py", [*cp, "--cp_impl", "ulysses"], ["--cp_size: falcon", "compute attention themselves"]),
+        ("gpt2", "train_cp.py", cp, ["--cp_size", "drops attention weights in training (p 0.1)", "attn_pdrop"]),
+        ("llama", "train_cp.py", [*cp, "--cp_impl", "ulysses"], ["drops attention weights in training (p 0.1)"]),
+        ("gpt2", "train_hybrid.py", cp, ["--cp_size", "drops attention weights in training (p 0.1)"]),
+        ("xglm", "train_ddp.py", [], ["train_ddp.py: the model", *dropped]),
+        ("xglm", "train_fsdp.py", [], ["train_fsdp.py: the model", *dropped]),
     ]
     cases = []
     for i, (family, script, flags, _) in enumerate(runs):
-        args = [*FLAGS, "--cp_size", "2", *flags, "--model_config", str(configs[family])]
-        cases.append(
-            [str(SCRIPTS / script), [*args, "--data_cache_dir", data_cache, "--output_dir", str(tmp_path / f"run{i}")]]
-        )
-    for i, (result, (family, script, _, needles)) in enumerate(zip(run_in_turn(cases, 2, tmp_path / "in_turn"), runs)):
+        args = [*FLAGS, *flags, "--model_config", str(configs[family]), "--data_cache_dir", data_cache]
+        cases.append([str(SCRIPTS / script), [*args, "--output_dir", str(tmp_path / f"run{i}")]])
+    results = run_in_turn(cases, 2, tmp_path / "in_turn")
+    for i, (result, (family, script, _, needles)) in enumerate(zip(results, runs, strict=True)):
         assert_one_line(result, *needles)
         assert not (tmp_path / f"run{i}").exists(), f"{family} ({script}) wrote its output"

@@ -212,6 +212,10 @@ def check_cut(accelerator, model, step_fn, reference, task, validation, grad_acc
                 f"something there mixes what {strategy} cuts in a way it does not carry; "
                 "train it with another strategy (or, knowing the run is wrong, --skip_cut_check)"
             )
+    if dp_size > 1 or (layout and layout.cp > 1):  # one process has no other rank to wait for
+        from .layer_drop import check_no_layer_drop  # so a run of one does not import it
+
+        check_no_layer_drop(reference, task, all_mbs[0], strategy)
     reference.to_empty(device="meta")  # the copy's memory back to the run
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the run's peak memory is its own steps'
