@@ -351,9 +351,10 @@ def _check_loss_is_ours(config, what: str) -> None:
     named = [w for w in weights if w is not None]
     if named and not any(named):
         return
+    weight = next((w for w in named if w), "under a name of its own")
     raise UsageError(
         f"{what}: {config.model_type}'s config asks for its auxiliary balance loss (output_router_logits, "
-        f"weight {named[0] if named else 'under a name of its own'}), which the scripts' loss does not hold: a "
+        f"weight {weight}), which the scripts' loss does not hold: a "
         "mean over each forward's tokens, it does not add up over data-parallel ranks or micro-batches, so no "
         "layout would compute the one-process loss; set output_router_logits false in the config"
     )
