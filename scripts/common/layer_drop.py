@@ -17,6 +17,7 @@ def check_no_layer_drop(reference: nn.Module, task, micro_batch, strategy: str) 
     mode, every torch.rand draw 1 and then 0: a unit that runs in the first and not in the second is
     dropped at random. Found by what runs, not by a config name; the RNG is left as it was."""
     units = task.units(reference)
+    units = list(units.values() if isinstance(units, nn.ModuleDict) else units)  # the GPT's blocks: a dict
     runs = [_units_run(reference, task, micro_batch, units, fill) for fill in (torch.ones, torch.zeros)]
     dropped = sorted(runs[0] - runs[1])
     if dropped:
