@@ -3,8 +3,9 @@
     accelerate launch ... tests/dropout_probe.py RECORD_DIR tests/zoo_driver.py CASES.json
 
 runs the program after RECORD_DIR (here the in-turn driver, so several runs share one launch) as
-`python PROGRAM ...` would, with torch.nn.functional.dropout wrapped: each call in training appends a
-digest of torch's CPU generator state to the list of the run's --output_dir. Rank r writes
+`python PROGRAM ...` would, with torch.nn.functional.dropout wrapped: each call in a training step appends a
+digest of torch's CPU generator state to the list of the run's --output_dir (not the calls of the checks
+before step 1, which run without gradients, the generator forked: the layer drop's, CP's attention probe). Rank r writes
 RECORD_DIR/rank_<r>.json: {output_dir: [digest, ...]} (tests/test_dropout.py: the masks two ranks
 draw are the same exactly when their digests are).
 """
@@ -25,7 +26,7 @@ plain_dropout = F.dropout
 
 
 def recording_dropout(input, p=0.5, training=True, inplace=False):
-    if training and p > 0:
+    if training and p > 0 and torch.is_grad_enabled():  # a step's; the start-up probes put the generator back
         argv = sys.argv  # the in-turn driver sets each run's argv before running it
         run = argv[argv.index("--output_dir") + 1] if "--output_dir" in argv else ""
         digests.setdefault(run, []).append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16])
