@@ -118,10 +118,11 @@ class MoE(nn.Module):
         B, T, d = x.shape
         flat = x.reshape(B * T, d)
         scores, chosen, gates = self.route(flat)
-        if self.training and self.dump_routing:
+        step = self.training and torch.is_grad_enabled()  # a step's forward, not a check's before step 1
+        if step and self.dump_routing:
             self._dump(chosen.view(B, T, self.top_k))
         counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
-        if self.training:
+        if step:
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
         self.aux_loss_sum = self._aux_loss(scores.view(B, T, -1), chosen.view(B, T, -1)) if self.training else None
 
@@ -130,7 +131,7 @@ class MoE(nn.Module):
         keep = self._within_capacity(counts, B * T) if self.capacity_factor else None
         if keep is not None:
             order, counts = order[keep], counts.clamp(max=self._capacity(B * T))
-            if self.training:
+            if step:
                 self.kept_per_expert = counts if self.kept_per_expert is None else self.kept_per_expert + counts
         expert_out = self.experts(flat[order // self.top_k], counts)  # the seam (train_ep.py)
 
