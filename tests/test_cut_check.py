@@ -122,7 +122,7 @@ def test_every_family_shrinks_into_a_model_that_builds(monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM
     from zoo_configs import FAMILIES
 
-    from common.shrunk import shrunk_hf_config
+    from common.shrunk import LAYERS, shrunk_hf_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     for family in sorted({f.removesuffix("_window16") for f in [*FAMILIES, *MORE_FAMILIES]}):
@@ -131,7 +131,7 @@ def test_every_family_shrinks_into_a_model_that_builds(monkeypatch):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**small))
         n_params = sum(p.numel() for p in model.parameters())
-        layers = next(small[k] for k in ("num_hidden_layers", "n_layer") if k in small)
+        layers = next(small[k] for k in LAYERS if k in small)
         assert layers <= 4 and n_params < 3e8, (family, layers, n_params)
         for kept in ("num_attention_heads", "num_key_value_heads", "num_local_experts", "num_experts", "vocab_size"):
             assert small.get(kept) == big.get(kept), (family, kept)

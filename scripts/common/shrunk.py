@@ -25,6 +25,8 @@ from .errors import RunPosition, UsageError
 
 HEAD = 8  # the shrunken copy's width per attention head
 WIDTHS = ("hidden_size", "n_embd", "d_model")  # the model's width, by the names families give it
+LAYERS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")  # MPT: n_layers; XGLM, GPT-Neo: num_layers
+HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads")
 PER_HEAD = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "linear_key_head_dim")
 PER_HEAD += ("linear_value_head_dim", "kv_channels")
 FFN = ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim")  # 2 x width
@@ -41,12 +43,12 @@ def shrunk_layers(n_layers: int) -> int:
 def shrunk_hf_config(config: dict) -> dict:
     """The same 🤗 config, fewer layers and narrow: heads, experts, layer types and vocabulary kept."""
     c = {k: v for k, v in config.items() if k not in ("_name_or_path", "architectures", "auto_map")}
-    layers_key = next(k for k in ("num_hidden_layers", "n_layer", "num_layers") if isinstance(c.get(k), int))
+    layers_key = next(k for k in LAYERS if isinstance(c.get(k), int))
     old_layers, c[layers_key] = c[layers_key], shrunk_layers(c[layers_key])
     for key, value in list(c.items()):  # one entry per layer (layer_types): the first layers'
         if isinstance(value, list) and len(value) == old_layers:
             c[key] = value[: c[layers_key]]
-    heads = next((c[k] for k in ("num_attention_heads", "n_head", "num_heads") if isinstance(c.get(k), int)), 8)
+    heads = next((c[k] for k in HEADS if isinstance(c.get(k), int)), 8)
     width = 64 if isinstance(c.get("head_dim"), int) else heads * HEAD  # a head's width set apart, or width/heads
 
     def narrow(keys, size):
@@ -72,7 +74,7 @@ def shrunk_flags(model, task, folder: Path) -> tuple[list[str], str] | None:
         small = shrunk_hf_config(config.to_dict())
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(small, indent=1))
-        layers = next(small[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in small)
+        layers = next(small[k] for k in LAYERS if k in small)
         width = next(small[k] for k in WIDTHS if k in small)
         return ["--model_config", str(folder / "config.json")], f"{layers} layers x {width} wide"
     return None
