@@ -65,8 +65,8 @@ def attention_seconds(group, cp: int, tokens: int, iters: int) -> dict:
     import torch.nn.functional as F
     from train_cp import RingAttention
 
+    from common.context_parallel import head_tail_chunks
     from common.cp_comms import Ring
-    from common.cp_costs import head_tail_chunks
 
     heads, head_dim = 4, 16
 
@@ -97,9 +97,9 @@ def worker(args) -> None:
     import torch.distributed as dist
     from train_cp import ring_attention, ulysses_attention
 
+    from common.context_parallel import cp_chunks, rank_positions
     from common.cp_comms import Ring, Ulysses
-    from common.cp_costs import cp_chunks, ring_bytes_per_step, ulysses_bytes_per_step
-    from common.cp_masks import rank_positions
+    from common.cp_costs import ring_bytes_per_step, ulysses_bytes_per_step
     from common.model import GPT, GPTConfig, GPTTask
 
     torch.set_num_threads(1)

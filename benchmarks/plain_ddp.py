@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from common.builtin_flags import DEFAULT_CACHE_DIR
 from common.causal_lm import cross_entropy_sum
-from common.data import _encode_addition, build_addition
+from common.data import build_addition, encode_addition
 from common.model import GPT, GPTConfig
 
 
@@ -50,7 +50,7 @@ def main():
     dist.barrier()
     files = build_addition(DEFAULT_CACHE_DIR, 3)
     texts = [json.loads(line)["text"] for line in open(files["train"])]
-    encoded = _encode_addition({"text": texts}, row_len=13)
+    encoded = encode_addition({"text": texts}, row_len=13)
     dataset = TensorDataset(torch.tensor(encoded["input_ids"]), torch.tensor(encoded["labels"]))
     sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)

@@ -44,8 +44,8 @@ from common.data import first_samples, load_data
 from common.errors import UsageError
 from common.evaluation import evaluate
 from common.exported import load_exported, task_spec_for
-from common.launch import make_accelerator, run_main
-from common.peers import line_on_sigterm
+from common.faults import line_on_sigterm
+from common.launch import make_accelerator, record_peers, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,6 +173,7 @@ def main():
     args.report_to, args.output_dir = "none", None
 
     accelerator = make_accelerator(args)  # Accelerate: process group, device
+    record_peers(accelerator)  # who every rank is: the line below names a peer found gone
     line_on_sigterm()  # a peer that dies makes the launcher end this one: one line, not silence
     if own_task is None:
         data = load_data(args, accelerator, task.tokens_per_sample, getattr(task, "tokenizer", None))

@@ -50,8 +50,8 @@ import torch
 import torch.nn as nn
 
 from common.cli import HelpFormatter
+from common.context_parallel import cp_chunks, ring_steps
 from common.costs import count_parameters
-from common.cp_costs import cp_chunks, ring_steps
 from common.errors import UsageError
 from common.launch import run_main
 from common.layout import DIMS, FLAGS, MESH_DIMS, Layout
@@ -63,14 +63,9 @@ from common.model import (
     gpt_config_from_args,
 )
 from common.muon import muon_matrices
-from common.pipeline import (
-    MULTI_STAGE_SCHEDULES,
-    SCHEDULES,
-    bubble_theory,
-    check_pipeline_layout,
-    stage_layers,
-    stages_of_rank,
-)
+from common.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layers, stages_of_rank
+from common.pp_checks import check_pipeline_layout
+from common.pp_costs import bubble_theory
 from common.presets import MODEL_PRESETS
 from common.sharded_costs import ddp_state_bytes, ulysses_bytes_per_layer
 from common.tp_costs import GPT_TP_CUTS
@@ -352,10 +347,10 @@ class HFShape:
     ):
         from transformers import AutoModelForCausalLM
 
-        from common.hf import _check_causal_lm, _read_config, _units_path
+        from common.hf import check_causal_lm, find_units_path, read_config
 
-        config, source = _read_config(spec, block_size)
-        _check_causal_lm(config, f"--model_config {spec}")
+        config, source = read_config(spec, block_size)
+        check_causal_lm(config, f"--model_config {spec}")
         if vocab_size:  # the scripts train --model_config models on bytes: 256 ids
             config.vocab_size = vocab_size
             config.pad_token_id = config.bos_token_id = config.eos_token_id = None
@@ -367,7 +362,7 @@ class HFShape:
         except (ValueError, TypeError) as e:
             raise UsageError(f"--model_config {spec}: {str(e).strip().splitlines()[0]}") from None
         self.model_type, self.source = config.model_type, source
-        self.units_path = _units_path(model, f"--model_config {spec}")
+        self.units_path = find_units_path(model, f"--model_config {spec}")
         self.n_layer = len(model.get_submodule(self.units_path))
         self.n_embd = config.hidden_size
         self.n_head = config.num_attention_heads
@@ -963,7 +958,7 @@ def ring_traffic(cfg, layout: Layout, args, micro_batch: int, bf16: bool, links:
     send and one receive (batch_isend_irecv: the runs count them as send and recv, one call each). A ring
     of tp x cp consecutive ranks stays inside a node while it fits; its time is bytes over the measured
     point-to-point bandwidth (preflight's ring_p2p), else the link's all-reduce bandwidth. With
-    --sliding_window, the ring stops after the steps some rank still needs (cp_costs.ring_steps, on the
+    --sliding_window, the ring stops after the steps some rank still needs (context_parallel.ring_steps, on the
     chunks it would choose): S steps send S-1 K/V blocks each way and S dK/dV blocks (none when S is 1).
     --cp_impl ulysses: ulysses_traffic instead."""
     if args.cp_impl == "ulysses":
@@ -1030,7 +1025,7 @@ def layout_args(layout: Layout, args) -> argparse.Namespace:
 
 
 def why_invalid(layout: Layout, cfg: GPTConfig, args) -> str | None:
-    """The training scripts' own checks (model.py, common/pipeline.py): None when the layout can run."""
+    """The training scripts' own checks (model.py, common/pp_checks.py): None when the layout can run."""
     try:
         if isinstance(cfg, HFShape):
             cfg.check_split(layout.tp, layout.pp * args.stages_per_rank, args.stages_per_rank)

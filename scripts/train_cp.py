@@ -24,7 +24,8 @@ Run it on 2 CPU processes (one ring), on 4 (dp 2 x cp 2), or as one process (not
     accelerate launch ... --num_processes 4 scripts/train_cp.py --cp_size 2 --cp_impl ulysses
     python scripts/train_cp.py
 Lines marked `# Accelerate:` are the library's part; the rest is plain PyTorch.
-`# CP:` marks the strategy; its transfers, masks, checks and costs are in common/cp_*.py.
+`# CP:` marks the strategy: the ring's loop and merge below call common/context_parallel.py (the
+chunk rule, the blocks, the kernels, a rank's loss); refusals and bytes: cp_checks.py, cp_costs.py.
 """
 
 import sys
@@ -38,23 +39,36 @@ import torch
 from accelerate.utils import set_seed
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from common.attention_kernels import block_attention, block_attention_backward, whole_sequence_attention
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.checkpoint import export_model, load_checkpoint, save_checkpoint, start_point
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
+from common.context_parallel import (
+    add_sinks,
+    block_attention,
+    block_attention_backward,
+    blocks_per_rank,
+    cp_chunks,
+    cp_loss,
+    plain_attention,
+    ring_steps,
+    sinks_grad,
+    step_blocks,
+    whole_sequence_attention,
+    whole_sequence_predict,
+)
+from common.contract_check import check_task_contract
 from common.costs import count_parameters
-from common.cp_checks import CP_IMPL_HELP, CP_SIZE_HELP, check_cp_model, check_cp_size
+from common.cp_checks import check_cp_model, check_cp_size
 from common.cp_comms import Ring, Ulysses
-from common.cp_costs import cp_chunks, cp_start_line, cp_traffic, reset_traffic, ring_steps
-from common.cp_masks import add_sinks, cp_loss, plain_attention, sinks_grad, step_blocks, whole_sequence_predict
+from common.cp_costs import cp_start_line, cp_traffic, reset_traffic
 from common.cut_check import check_cut, uncut_copy
 from common.evaluation import evaluate
-from common.launch import make_accelerator, run_main
+from common.launch import make_accelerator, record_peers, run_main
 from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
+from common.output_checks import check_resume_and_output, trial_checkpoint
 from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
-from common.task import check_task_contract
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 
 
@@ -90,7 +104,7 @@ class RingAttention(torch.autograd.Function):
             computed += len(blocks)
             if pending is not None:
                 kv = Ring.finish(pending)
-        ring.count_blocks(computed)  # the causal ring's other blocks: skipped by the masks
+        ring.count_blocks(computed, blocks_per_rank(ring.chunks_of)[ring.rank])  # the rest: skipped
         if sinks is not None:  # CP: the sink, one more logit of each row, value 0: weights shrink
             out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
@@ -156,9 +170,11 @@ def apply_context_parallel(model, task, layout: Layout, impl: str = "ring", wind
 
 
 def cp_forward_backward(accelerator, model, micro_batches, n_global_targets, loss_of, grad_scale):
-    """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
-    normalised by the target count of the whole global batch (all micro-batches, all ranks), not
-    averaged per micro-batch (which weights targets unequally when their counts differ)."""
+    """Forward and backward of this rank's micro-batches; returns their loss sum: the loss of this
+    rank's tokens only (`loss_of`: its chunks of every sequence, attending through the ring or
+    Ulysses), normalised by the target count of the whole global batch (all micro-batches, every dp
+    and cp rank), so the cp ranks' parts add up to each sequence's loss. FSDP averages the gradients
+    over the dp x cp ranks: grad_scale (dp x cp) undoes the average."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         with accelerator.autocast():  # Accelerate: autocast
@@ -190,8 +206,19 @@ def main():
 
     add_builtin_flags(parser)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("context parallel")
-    g.add_argument("--cp_size", type=int, default=-1, help=CP_SIZE_HELP)
-    g.add_argument("--cp_impl", choices=["ring", "ulysses"], default="ring", help=CP_IMPL_HELP)
+    g.add_argument(
+        "--cp_size",
+        type=int,
+        default=-1,
+        help="ranks that cut each sequence: all processes (-1); the other factor is data parallel",
+    )
+    g.add_argument(
+        "--cp_impl",
+        choices=["ring", "ulysses"],
+        default="ring",
+        help="ring: K/V travel around the ranks, any head count (sequence divisible by 2 x cp); ulysses: "
+        "all-to-alls to head shards and back, fewer bytes, the heads and K/V heads divisible by cp",
+    )
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/cp"
     check_core_args(args)
@@ -206,6 +233,7 @@ def main():
         sharded=True,  # refuses a launch that also asks Accelerate to shard
         step_scheduler_with_optimizer=False,
     )
+    record_peers(accelerator)  # guard: peer records
     check_cp_size(args.cp_size, accelerator.num_processes)  # CP: divides the processes, or -1
     dp_shard = 1 if args.cp_size == -1 else -1  # CP: one ring of all (-1): no data parallel
     layout = Layout.from_degrees(accelerator.num_processes, cp=args.cp_size, dp_shard=dp_shard)
@@ -232,8 +260,9 @@ def main():
     n_params, model_line = count_parameters(model), task.describe(model)
     # CP: Task.set_attention and Task.forward_at, or a one-line refusal; what attention receives
     kv_shape = check_cp_model(layout, model, task, args, accelerator.device)
-    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
+    resume_path, facts = start_point(accelerator, args, model, task, global_batch_size, layout)
+    check_resume_and_output(accelerator, args, resume_path, facts)  # guard: output lock
+    reference = uncut_copy(model, task, args.skip_cut_check)  # guard: cut check
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- CP: the strategy, before the optimizer
@@ -261,12 +290,13 @@ def main():
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
     whole = plain_attention(task, model, attention) if attention else None  # CP: whole sequences
-    check_task_contract(task, model, data.validation, accelerator.device, whole)
+    check_task_contract(task, model, data.validation, accelerator.device, whole)  # guard: contract
     probe_step = partial(cp_forward_backward, accelerator, model, loss_of=loss_of, grad_scale=grad_scale)
     probe_step.token_positions = getattr(loss_of, "positions", None)  # CP: compared there
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
+    check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)  # guard: cut check
     reset_traffic(attention)  # CP: the summary's bytes are the run's, not the probe's
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
+    trial_checkpoint(accelerator, args, facts, model, optimizer, scheduler)  # guard: trial
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -282,7 +312,7 @@ def main():
     monitor = RunMonitor(accelerator, args, "train_cp", feed, layout.world_size, global_batch_size)
     cp_line, formula = cp_start_line(layout, args, task.tokens_per_sample, kv_shape, args.cp_impl)
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
-    monitor.start(task, model_line, n_params, data, [cp_line, costs, cut_line], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [cp_line, costs], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

@@ -29,15 +29,16 @@ import torch
 from accelerate.utils import GradientAccumulationPlugin, get_int_from_env, set_seed
 
 from common.batchnorm import batchnorm_line
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.checkpoint import export_model, load_checkpoint, save_checkpoint, start_point
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
+from common.contract_check import check_task_contract
 from common.costs import count_parameters, replicated_summary, ring_allreduce_bytes
 from common.cut_check import check_cut, uncut_copy
 from common.evaluation import evaluate
-from common.launch import WORLD_SIZE_VARS, make_accelerator, run_main
+from common.launch import WORLD_SIZE_VARS, make_accelerator, record_peers, run_main
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
-from common.task import check_task_contract
+from common.output_checks import check_resume_and_output, trial_checkpoint
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, restride_buffers
 
 
@@ -89,6 +90,7 @@ def main():
         gradient_accumulation_plugin=accumulation,  # DDP: one all-reduce per step
         step_scheduler_with_optimizer=False,
     )
+    record_peers(accelerator)  # guard: peer records
     dp_size = accelerator.num_processes  # DDP: every process is a replica of the whole model
 
     # ---------------------------------------- data (checked before anything is written)
@@ -114,8 +116,9 @@ def main():
 
         register_optimizer_step_pre_hook(lambda *_, moe_model=model: update_expert_bias(moe_model))
     n_params, model_line = count_parameters(model), task.describe(model)
-    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
+    resume_path, facts = start_point(accelerator, args, model, task, global_batch_size)
+    check_resume_and_output(accelerator, args, resume_path, facts)  # guard: output lock
+    reference = uncut_copy(model, task, args.skip_cut_check)  # guard: cut check
     if args.compile:
         compile_units(task.units(model), accelerator)  # each unit, before DDP wraps the model
 
@@ -134,10 +137,11 @@ def main():
         sync_batchnorm(model, accelerator.device)
     restride_buffers(model)  # DDP: its broadcast of the buffers refuses a transposed one
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
+    check_task_contract(task, model, data.validation, accelerator.device)  # guard: contract
     probe_step = partial(ddp_forward_backward, accelerator, model, task, dp_size=dp_size)
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum)
+    check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum)  # guard: cut check
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
+    trial_checkpoint(accelerator, args, facts, model, optimizer, scheduler)  # guard: trial
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -153,7 +157,7 @@ def main():
     allreduce_mib = ring_allreduce_bytes(4 * n_grads, dp_size) / 2**20  # fp32 gradients
     ddp_line = f"gradient all-reduce per step and rank (ring): 2(N-1)/N x {4 * n_grads / 2**20:.1f} MiB"
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # what differs from 1 process
-    lines = [f"{ddp_line} = {allreduce_mib:.1f} MiB", bn_line, cut_line]
+    lines = [f"{ddp_line} = {allreduce_mib:.1f} MiB", bn_line]
     monitor.start(task, model_line, n_params, data, lines, resume_path)
 
     # ---------------------------------------- the training loop

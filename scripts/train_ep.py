@@ -47,21 +47,22 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.checkpoint import export_model, load_checkpoint, save_checkpoint, start_point
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
+from common.contract_check import check_task_contract
 from common.costs import count_parameters
 from common.cut_check import check_cut, uncut_copy
 from common.ep_checks import check_ep_flags, check_experts, check_moe_flags
 from common.ep_costs import ep_start_line, ep_summary, routing_record
 from common.evaluation import evaluate
-from common.launch import WORLD_SIZE_VARS, make_accelerator, run_main
+from common.launch import WORLD_SIZE_VARS, make_accelerator, record_peers, run_main
 from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
 from common.moe import GroupedExperts, moe_layers, update_expert_bias
+from common.output_checks import check_resume_and_output, trial_checkpoint
 from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
-from common.task import check_task_contract
 from common.training import StepFeed, make_optimizer, make_scheduler
 
 
@@ -138,11 +139,13 @@ def shard_expert_slices(expert_modules: list, replica_mesh, dp_size: int) -> Non
 
 
 def ep_forward_backward(accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int) -> torch.Tensor:
-    """Forward and backward of this rank's micro-batches (FSDP reduces every gradient, the experts'
-    over the dp / ep groups); returns the loss sum (normalised by the target count of the whole
-    global batch, as in train_fsdp.py). Then the MoE's expert bias moves towards balance, from the
-    token counts of the whole step (all micro-batches, all ranks), before the optimizer steps. FSDP
-    reduce-scatters every micro-batch's gradients, as in train_fsdp.py: a rank holds its shards."""
+    """EP's step: forward and backward of this rank's own micro-batches; inside each MoE layer the
+    all-to-alls of dispatch() and combine() carry every token to the rank of its expert and back
+    (their backward carries the gradients). FSDP reduce-scatters every micro-batch's gradients (the
+    experts' over the dp / ep groups), so a rank keeps its shards; each reduce-scatter averages over
+    the dp ranks, so the loss, divided by the target count of the whole global batch, is multiplied
+    by dp_size. Then the MoE's expert bias moves towards balance, from the token counts of the whole
+    step (all micro-batches, all ranks), before the optimizer steps. Returns the loss sum."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         with accelerator.autocast():  # Accelerate: autocast
@@ -190,6 +193,7 @@ def main():
         sharded=True,  # refuses a launch that also asks Accelerate to shard
         step_scheduler_with_optimizer=False,
     )
+    record_peers(accelerator)  # guard: peer records
     # EP: groups of ep consecutive ranks cut the experts between them (the layout's dp_shard);
     # the dp / ep groups cut each rank's share again (the layout's dp_replicate)
     dp_size = accelerator.num_processes  # EP: every rank is data-parallel, holding E / ep experts
@@ -214,8 +218,9 @@ def main():
     expert_modules = experts_of(model, task)  # EP: what it cuts, each MoE layer's batched experts
     check_experts(model, task, expert_modules, ep_size, dp_size)  # EP: one line per mistake
     n_params, model_line = count_parameters(model), task.describe(model)
-    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
+    resume_path, facts = start_point(accelerator, args, model, task, global_batch_size, layout)
+    check_resume_and_output(accelerator, args, resume_path, facts)  # guard: output lock
+    reference = uncut_copy(model, task, args.skip_cut_check)  # guard: cut check
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- EP: the strategy and FSDP, before the optimizer
@@ -233,10 +238,11 @@ def main():
     # the loader sharded over the dp ranks
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_loader = shard_loader(train_loader, accelerator, layout)
-    check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
+    check_task_contract(task, model, data.validation, accelerator.device)  # guard: contract
     probe_step = partial(ep_forward_backward, accelerator, model, task, dp_size=dp_size)  # the step
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
+    check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)  # guard: cut check
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
+    trial_checkpoint(accelerator, args, facts, model, optimizer, scheduler)  # guard: trial
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -250,9 +256,9 @@ def main():
     feed.seed_dropout(args.seed, layout)  # dropout: each dp rank its own masks
     monitor = RunMonitor(accelerator, args, "train_ep", feed, dp_size, global_batch_size)
     ep_line = ep_start_line(expert_modules[0].down_proj.shape[0], ep_size, dp_size)
-    routing = partial(routing_record, model, ep_size, args.capacity_factor)  # EP: for the records
+    routing = partial(routing_record, model, ep_size)  # EP: for the records
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
-    monitor.start(task, model_line, n_params, data, [ep_line, costs, cut_line], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [ep_line, costs], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

@@ -39,19 +39,20 @@ from accelerate.utils import set_seed
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from common.batchnorm import batchnorm_line
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.checkpoint import export_model, load_checkpoint, save_checkpoint, start_point
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
+from common.contract_check import check_task_contract
 from common.costs import count_parameters
 from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate
-from common.launch import make_accelerator, run_main
+from common.launch import make_accelerator, record_peers, run_main
 from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
+from common.output_checks import check_resume_and_output, trial_checkpoint
 from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
-from common.task import check_task_contract
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 
 
@@ -90,9 +91,12 @@ def apply_fsdp(units, roots: list, mesh, mixed_precision="no", reshard_after_for
 def fsdp_forward_backward(
     accelerator, model, task, micro_batches: list, n_global_targets, dp_size: int, unsharded_accumulation=False
 ) -> torch.Tensor:
-    """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
-    normalised by the target count of the whole global batch (all micro-batches, all ranks), not
-    averaged per micro-batch (which weights targets unequally when their counts differ).
+    """FSDP's step: forward and backward of this rank's micro-batches, on its own slice of the global
+    batch; each unit all-gathers its whole weights for its forward and backward, and reduce-scatters
+    its gradients after, so a rank keeps 1/N of the parameters, gradients and optimizer state.
+    Returns the loss sum. The loss is divided by the target count of the whole global batch (all
+    micro-batches, all ranks), not averaged per micro-batch (which weights targets unequally), and
+    multiplied by dp_size because each reduce-scatter averages over the ranks.
 
     Gradient accumulation, by default as torchtitan: every micro-batch's backward reduce-scatters
     each unit's gradient and frees the unsharded one, so a rank accumulates only its 1/N shard. With
@@ -151,6 +155,7 @@ def main():
         sharded=True,  # refuses a launch that also asks Accelerate to shard
         step_scheduler_with_optimizer=False,
     )
+    record_peers(accelerator)  # guard: peer records
     layout = Layout.from_degrees(accelerator.num_processes, dp_replicate=args.dp_replicate, dp_shard=-1)
     dp_size = layout.dp  # FSDP: every rank is a data-parallel rank, holding 1/dp_shard of the model
     # batch_size x dp_size x accumulation
@@ -184,8 +189,9 @@ def main():
     # the repeated units: one FSDP unit each, activation checkpointing, --compile
     units = task.units(model)
     n_params, model_line = count_parameters(model), task.describe(model)
-    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
+    resume_path, facts = start_point(accelerator, args, model, task, global_batch_size, layout)
+    check_resume_and_output(accelerator, args, resume_path, facts)  # guard: output lock
+    reference = uncut_copy(model, task, args.skip_cut_check)  # guard: cut check
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- FSDP: the strategy
@@ -216,11 +222,12 @@ def main():
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_sampler = train_loader.sampler
     train_loader = shard_loader(train_loader, accelerator, layout)
-    check_task_contract(task, model, data.validation, accelerator.device)  # before step 1
+    check_task_contract(task, model, data.validation, accelerator.device)  # guard: contract
     unsharded = args.unsharded_accumulation and shard  # FSDP: whole gradients in the window
     probe_step = partial(fsdp_forward_backward, accelerator, model, task, dp_size=dp_size)
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
+    check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)  # guard: cut check
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
+    trial_checkpoint(accelerator, args, facts, model, optimizer, scheduler)  # guard: trial
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -241,7 +248,7 @@ def main():
     window = {"grad_accum": grad_accum, "unsharded_accumulation": unsharded}
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)
     bn_line = batchnorm_line(model, dp_size, args.sync_batchnorm)  # what differs from 1 process
-    monitor.start(task, model_line, n_params, data, [fsdp_line, costs, bn_line, cut_line], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [fsdp_line, costs, bn_line], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

@@ -52,26 +52,28 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from train_cp import apply_context_parallel
 
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.checkpoint import export_model, load_checkpoint, save_checkpoint, start_point
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
+from common.context_parallel import cp_loss, plain_attention, whole_sequence_predict
+from common.contract_check import check_task_contract
 from common.costs import count_parameters
 from common.cp_checks import check_cp
-from common.cp_masks import cp_loss, plain_attention, whole_sequence_predict
 from common.cut_check import check_cut, uncut_copy
 from common.errors import UsageError
 from common.evaluation import evaluate
-from common.launch import make_accelerator, run_main
+from common.launch import make_accelerator, record_peers, run_main
 from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
-from common.pipeline import add_pipeline_args, check_pipeline_layout, parse_pipeline_flags
+from common.output_checks import check_resume_and_output, trial_checkpoint
+from common.pipeline import parse_pipeline_flags
+from common.pp_checks import check_pipeline_layout
 from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
-from common.task import check_task_contract
-from common.tp_checks import check_tp_flags, check_tp_plan
+from common.tp_checks import check_plan_forward, check_tp_flags, check_tp_plan
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler, unit_modules
 from train_fsdp import apply_activation_checkpointing, apply_fsdp
-from train_pp import PipelineStep, split_pipeline, stage_modules
+from train_pp import PipelineStep, add_pipeline_args, split_pipeline, stage_modules
 from train_tp import apply_tensor_parallel, model_tp_plan
 
 
@@ -243,7 +245,7 @@ UNSHARDED_HELP = (
 
 
 def add_layout_args(parser) -> None:
-    """The mesh's degrees, TP's flags and the memory flags (the pipeline's: common/pipeline.py)."""
+    """The mesh's degrees, TP's flags and the memory flags (the pipeline's: train_pp.py's)."""
     g = parser.add_argument_group(LAYOUT_FLAGS)
     g.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     g.add_argument("--dp_replicate", type=int, default=1, help="data-parallel replicas (HSDP: replicate across them)")
@@ -287,6 +289,7 @@ def main():
     # Accelerate: process group (gloo on CPU, NCCL on GPU), device, mixed precision (launcher);
     # the scheduler counts optimizer steps, whatever the layout.
     accelerator = make_accelerator(args, sharded=True, step_scheduler_with_optimizer=False)
+    record_peers(accelerator)  # guard: peer records
     degrees = {"dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard, "tp": args.tp_size, "cp": args.cp_size}
     layout = Layout.from_degrees(accelerator.num_processes, pp=args.pp_size, **degrees)  # product: the world size
     grad_accum, global_batch_size = batch_of_step(args, layout.dp)  # batch_size x dp x accumulation
@@ -313,8 +316,9 @@ def main():
     # the TP plan, {module name: style}, of train_tp.py's MODEL section (the GPT's or a 🤗 model's)
     plan = model_tp_plan(model, task, layout, args.sequence_parallel, args.loss_parallel) if layout.tp > 1 else {}
     check_layout_fits(model, task, units, layout, args, plan)  # every cut, on the full model
-    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
+    resume_path, facts = start_point(accelerator, args, model, task, global_batch_size, layout)
+    check_resume_and_output(accelerator, args, resume_path, facts)  # guard: output lock
+    reference = uncut_copy(model, task, args.skip_cut_check)  # guard: cut check
     layout.build_mesh(accelerator.device.type)
 
     # ---------------------------------------- the strategies, in torchtitan's order (above)
@@ -335,11 +339,14 @@ def main():
         shards = (
             loss_parallel() if args.loss_parallel else plain_attention(task, model, attention) if attention else None
         )
-        check_task_contract(task, model, data.validation, accelerator.device, shards)
+        whole = plain_attention(task, model, attention) if attention else None  # CP: whole sequences
+        check_plan_forward(model, plan, task, data.validation, accelerator.device, whole)  # TP: the cut runs
+        check_task_contract(task, model, data.validation, accelerator.device, shards)  # guard: contract
     probe_step = forward_backward  # every cut, on a probe
     probe_step.micro_batch_size = args.batch_size if layout.pp > 1 else None  # PP: its shapes
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
+    check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)  # guard: cut check
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
+    trial_checkpoint(accelerator, args, facts, model, optimizer, scheduler)  # guard: trial
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -354,7 +361,7 @@ def main():
     monitor = RunMonitor(accelerator, args, "train_hybrid", feed, layout.world_size, global_batch_size)
     window = {"grad_accum": grad_accum, "unsharded_accumulation": unsharded}
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator, **window)
-    monitor.start(task, model_line, n_params, data, [order_line(layout, args), costs, cut_line], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [order_line(layout, args), costs], resume_path, layout)
     pp_group = layout.group("pp")
 
     # ---------------------------------------- the training loop
@@ -388,7 +395,7 @@ def main():
     if step == args.max_steps:  # every rank: gathers the shards; one rank per stage sends its units
         export_model(accelerator, model, task, data_source(args), Path(args.output_dir) / "model", layout)
     costs = sharded_summary(accelerator, layout, n_params, args.optimizer, model, optimizer, **window)
-    monitor.summary(step, preempted=feed.preempted, **costs, **(pipeline.summary(args) if pipeline else {}))
+    monitor.summary(step, preempted=feed.preempted, **costs, **(pipeline.meter.summary(args) if pipeline else {}))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # Accelerate: closes trackers, destroys the process group
 

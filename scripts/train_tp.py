@@ -55,20 +55,21 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from common.checkpoint import check_resume_and_output, export_model, load_checkpoint, save_checkpoint
+from common.checkpoint import export_model, load_checkpoint, save_checkpoint, start_point
 from common.cli import batch_of_step, build_parser, check_core_args, data_source
+from common.contract_check import check_task_contract
 from common.costs import count_parameters
 from common.cut_check import check_cut, uncut_copy
 from common.evaluation import evaluate
-from common.launch import make_accelerator, run_main
+from common.launch import make_accelerator, record_peers, run_main
 from common.layout import Layout
 from common.loader import make_train_loader
 from common.metrics import RunMonitor
+from common.output_checks import check_resume_and_output, trial_checkpoint
 from common.sharded import clip_grad_norm_, shard_loader
 from common.sharded_costs import sharded_start_line, sharded_summary
-from common.task import check_task_contract
 from common.tied import check_tp_keeps_ties
-from common.tp_checks import HELP, check_tp_flags, check_tp_layout, check_tp_plan
+from common.tp_checks import check_plan_forward, check_tp_flags, check_tp_layout, check_tp_plan
 from common.tp_costs import tp_start_lines
 from common.training import StepFeed, compile_units, make_optimizer, make_scheduler
 
@@ -128,9 +129,9 @@ def model_tp_plan(model: nn.Module, task, layout: Layout, sequence_parallel: boo
         from common.hf_tp import hf_tp_plan  # the 🤗 families' plans: imported only for a 🤗 model
 
         return hf_tp_plan(model, task.units_path, layout, sequence_parallel, loss_parallel)
-    from common.model import check_gpt_split
+    from common.tp_checks import check_gpt_plan
 
-    check_gpt_split(task.cfg, layout.tp)  # TP divides heads, MLP width, vocabulary
+    check_gpt_plan(model, task, layout.tp)  # the GPT's: TP divides heads, MLP width, vocabulary
     return tensor_parallel_plan(model, sequence_parallel, loss_parallel)
 
 
@@ -153,9 +154,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict) -> None:
 def tp_forward_backward(
     accelerator, model, task, micro_batches: list, n_global_targets, use_loss_parallel: bool, counts_loss: bool
 ) -> torch.Tensor:
-    """Forward and backward of this rank's micro-batches; returns their loss sum. The loss is
-    normalised by the target count of the whole global batch (all micro-batches, all ranks), not
-    averaged per micro-batch (which weights targets unequally when their counts differ)."""
+    """TP's step: every rank of the TP group runs the SAME micro-batches through its shards of each
+    layer; the plan's collectives (f and g in the picture above) run inside forward and backward.
+    The loss is divided by the target count of the whole global batch, not averaged per micro-batch
+    (which weights targets unequally), and not multiplied by a data-parallel size: there is none.
+    Under --loss_parallel the cross-entropy runs on the vocabulary shards of the logits. Returns the
+    loss sum on the rank that counts it for the group (counts_loss), zero on the others."""
     step_loss_sum = torch.zeros((), device=accelerator.device)
     for mb in micro_batches:
         # TP: under --loss_parallel the cross-entropy runs on the vocabulary shards of the logits
@@ -176,9 +180,14 @@ def main():
 
     add_builtin_flags(parser)  # data and a model of your own: drop these two lines
     g = parser.add_argument_group("tensor parallel")
-    g.add_argument("--tp_size", type=int, default=-1, help=HELP["tp_size"])
-    g.add_argument("--sequence_parallel", action="store_true", help=HELP["sequence_parallel"])
-    g.add_argument("--loss_parallel", action="store_true", help=HELP["loss_parallel"])
+    size = "ranks per TP group: all processes (-1, or their number); data parallel beside TP is "
+    size += "train_hybrid.py's"
+    g.add_argument("--tp_size", type=int, default=-1, help=size)
+    sp = "shard LayerNorm/dropout activations along the sequence (all-gather + reduce-scatter "
+    sp += "instead of all-reduce)"
+    g.add_argument("--sequence_parallel", action="store_true", help=sp)
+    lp = "compute the cross-entropy on vocabulary-sharded logits, never gathering them"
+    g.add_argument("--loss_parallel", action="store_true", help=lp)
     args = parser.parse_args()
     args.output_dir = args.output_dir or "runs/tp"
     check_core_args(args)
@@ -193,6 +202,7 @@ def main():
         sharded=True,  # TP owns the model: refuses a launch that also asks Accelerate to shard it
         step_scheduler_with_optimizer=False,
     )
+    record_peers(accelerator)  # guard: peer records
     dp_shard = 1 if args.tp_size == -1 else -1  # TP: a smaller --tp_size: refused below
     layout = Layout.from_degrees(accelerator.num_processes, tp=args.tp_size, dp_shard=dp_shard)
     check_tp_layout(layout)  # TP: TP only; data parallel beside TP is train_hybrid.py's
@@ -220,8 +230,9 @@ def main():
     n_params, model_line = count_parameters(model), task.describe(model)
     check_tp_plan(model, plan, args.sequence_parallel, args.loss_parallel)  # TP: fits the model
     check_tp_flags(layout, task, args.sequence_parallel, args.loss_parallel)  # and the layout, data
-    resume_path, facts = check_resume_and_output(accelerator, args, model, task, global_batch_size, layout)
-    reference = uncut_copy(model, task, args.skip_cut_check)  # what the cut must compute
+    resume_path, facts = start_point(accelerator, args, model, task, global_batch_size, layout)
+    check_resume_and_output(accelerator, args, resume_path, facts)  # guard: output lock
+    reference = uncut_copy(model, task, args.skip_cut_check)  # guard: cut check
     units = task.units(model)  # before the cut: --compile compiles each unit after it
 
     # ---------------------------------------- TP: the strategy
@@ -243,12 +254,14 @@ def main():
     # Accelerate: optimizer and scheduler wrappers (not the model: TP owns it)
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     train_loader = shard_loader(train_loader, accelerator, layout)
+    check_plan_forward(model, plan, task, data.validation, accelerator.device)  # TP: the cut model runs
     lp = loss_parallel() if args.loss_parallel else None  # TP: the loss on vocabulary shards
-    check_task_contract(task, model, data.validation, accelerator.device, lp)  # before step 1
+    check_task_contract(task, model, data.validation, accelerator.device, lp)  # guard: contract
     probe_step = partial(tp_forward_backward, accelerator, model, task)  # TP: the step, on a probe
     probe_step.keywords.update(use_loss_parallel=args.loss_parallel, counts_loss=layout.holds_loss)
-    cut_line = check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)
+    check_cut(accelerator, model, probe_step, reference, task, data.validation, grad_accum, layout)  # guard: cut check
     progress = load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)  # or step 0
+    trial_checkpoint(accelerator, args, facts, model, optimizer, scheduler)  # guard: trial
     feed = StepFeed(
         accelerator,
         train_loader,
@@ -263,7 +276,7 @@ def main():
     monitor = RunMonitor(accelerator, args, "train_tp", feed, layout.world_size, global_batch_size)
     tp_lines, megatron = tp_start_lines(model, plan, layout, args, task.tokens_per_sample or 1, on_meta)
     costs = sharded_start_line(model, layout, n_params, args.optimizer, accelerator)
-    monitor.start(task, model_line, n_params, data, [*tp_lines, costs, cut_line], resume_path, layout)
+    monitor.start(task, model_line, n_params, data, [*tp_lines, costs], resume_path, layout)
 
     # ---------------------------------------- the training loop
     step, last_step = progress["step"], min(args.max_steps, args.stop_at_step or args.max_steps)

@@ -22,9 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from train_cp import RingAttention
 
+from common.context_parallel import contiguous_chunks, head_tail_chunks, rank_positions, ring_steps
 from common.cp_comms import Ring
-from common.cp_costs import contiguous_chunks, head_tail_chunks, ring_steps
-from common.cp_masks import rank_positions
 
 B, H, T, D = 2, 3, 8 * 2 * 3 * 4, 16  # T divides 2 x cp for cp = 2, 3, 4: chunks of 24 (head-tail, cp 4) to 96
 MASKS = {  # name: (window, sinks, softcap, documents)

@@ -6,12 +6,15 @@ it imported.
 runs the script in this interpreter as `python scripts/train_ddp.py ...` would (runpy, as __main__, with
 that argv), and prints one JSON object as its last line: {"lines": N, "modules": {"common.data": lines,
 ...}}: the `wc -l` of each common.* module in sys.modules at the end of the run, and of each sibling
-script it imported (a lesson used as a library) (tests/test_ground_floor.py).
+script it imported (a lesson used as a library) (tests/test_ground_floor.py). Under a launcher (several
+processes: `accelerate launch ... tests/ground_floor.py scripts/train_ddp.py ...`) every rank runs the
+script and rank 0 prints its count.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import runpy
 import sys
@@ -43,7 +46,8 @@ def main() -> None:
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     modules = common_modules(Path(script).resolve())
-    print(json.dumps({"returncode": code, "lines": sum(modules.values()), "modules": modules}), flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({"returncode": code, "lines": sum(modules.values()), "modules": modules}), flush=True)
 
 
 if __name__ == "__main__":

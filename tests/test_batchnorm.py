@@ -1,4 +1,4 @@
-"""BatchNorm on every layout (issue 29), done as docs/your-model.md's second worked example: a CNN
+"""BatchNorm on every layout (issue 29), done as docs/your-model-reference.md's worked example: a CNN
 with BatchNorm on the 8x8 digits (data/digits.csv.gz), copied from train_ddp.py, train_fsdp.py and
 train_localsgd.py with the page's own digits.py and diffs.
 
@@ -23,7 +23,7 @@ from test_your_model import code_blocks, run_copy
 
 from conftest import CPU_MULTI, REPO, SCRIPTS, assert_same_losses, free_port, read_metrics, run_in_turn
 
-PAGE, PAGE_ZH = REPO / "docs" / "your-model.md", REPO / "docs" / "zh" / "your-model.md"
+PAGE, PAGE_ZH = REPO / "docs" / "your-model-reference.md", REPO / "docs" / "zh" / "your-model-reference.md"
 DIFF_LABEL = re.compile(r"--- digits/(\S+)\n\+\+\+ digits/(\S+)\n")
 COPIES = ("train_ddp.py", "train_fsdp.py", "train_localsgd.py")
 STEPS = 10  # fp32; with SGD at lr 0.05 the CNN's runs stay well within 1e-5 of each other this long (at lr 0.1 an
@@ -245,4 +245,4 @@ def test_a_broken_contract_is_one_line_before_step_1(copy, tmp_path, mistake):
     assert errors[0].startswith(expected), errors[0]
     assert "Traceback" not in result.stderr and not (folder / "runs" / "broken" / "metrics.jsonl").exists()
     shown = PAGE.read_text(encoding="utf-8")
-    assert errors[0] in shown, f"docs/your-model.md should show the line: {errors[0]}"
+    assert errors[0] in shown, f"docs/your-model-reference.md should show the line: {errors[0]}"

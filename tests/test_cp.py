@@ -26,7 +26,7 @@ from conftest import (
 )
 
 sys.path.insert(0, str(REPO / "scripts"))
-from common.cp_costs import blocks_per_rank, contiguous_chunks, head_tail_chunks
+from common.context_parallel import blocks_per_rank, contiguous_chunks, head_tail_chunks
 
 # one xdist worker runs the parity tests: the cp 4 run is also the straight run of the resume test (shared_run)
 MAX_STEPS = 6

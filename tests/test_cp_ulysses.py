@@ -197,9 +197,8 @@ def attention_check() -> None:
     import torch.nn.functional as F
     from train_cp import ulysses_attention
 
+    from common.context_parallel import contiguous_chunks, head_tail_chunks, rank_positions
     from common.cp_comms import Ulysses
-    from common.cp_costs import contiguous_chunks, head_tail_chunks
-    from common.cp_masks import rank_positions
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

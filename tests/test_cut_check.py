@@ -141,6 +141,8 @@ def test_a_model_of_ones_own_too_large_is_skipped_with_the_reason(monkeypatch):
     from common.cut_check import uncut_copy
 
     monkeypatch.setenv("CUT_CHECK_MAX_BYTES", "0")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # 2 processes (one cuts nothing)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     line = uncut_copy(torch.nn.Linear(4, 4), task=object())
     too_large = "cut check: skipped (the whole model (0.0 GiB) is too large to copy onto one rank; a model of one's own"
     assert line.startswith(too_large), line

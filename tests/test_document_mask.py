@@ -44,13 +44,13 @@ def short_documents() -> list[str]:
 
 
 def test_blocks_carry_each_documents_positions_and_no_target_across_documents():
-    from common.data import _encode_and_pack
+    from common.data import encode_and_pack
 
-    rows = _encode_and_pack({"text": ["ab", "cde", "f" * 9]}, "text", 5, documents=True)
+    rows = encode_and_pack({"text": ["ab", "cde", "f" * 9]}, "text", 5, documents=True)
     assert rows["input_ids"] == [[97, 98, 10, 99, 100], [101, 10, 102, 102, 102], [102, 102, 102, 102, 102]]
     assert rows["position_ids"] == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]  # again at a block's start
     assert rows["labels"] == [[-100, 98, 10, -100, 100], [-100, 10, -100, 102, 102], [-100, 102, 102, 102, 102]]
-    assert "position_ids" not in _encode_and_pack({"text": ["ab"]}, "text", 2)
+    assert "position_ids" not in encode_and_pack({"text": ["ab"]}, "text", 2)
 
     import torch
 
@@ -60,7 +60,7 @@ def test_blocks_carry_each_documents_positions_and_no_target_across_documents():
     # what the strategies' test trains on: half the blocks hold 2 documents or more, and in every block a
     # document crosses a border of cp 4's 8-token chunks (one rank's queries, another's keys)
     positions = torch.tensor(
-        _encode_and_pack({"text": short_documents()[40:]}, "text", BLOCK, documents=True)["position_ids"]
+        encode_and_pack({"text": short_documents()[40:]}, "text", BLOCK, documents=True)["position_ids"]
     )
     assert ((positions == 0).sum(1) >= 2).float().mean() > 0.5
     assert ((positions > 0) & (torch.arange(BLOCK) % 8 == 0)).any(1).all()

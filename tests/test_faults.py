@@ -31,7 +31,7 @@ from conftest import (
 )
 
 sys.path.insert(0, str(SCRIPTS))
-from common import checkpoint, checkpoint_resume
+from common import checkpoint, checkpoint_save, resume_checks
 from common.model import GPT, GPTConfig
 
 STEPS = 10
@@ -159,7 +159,7 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
         if path.name.startswith("step_"):  # a complete checkpoint goes: a newer one must be readable
             newest = checkpoint.list_checkpoints(tmp_path)[-1]
             assert newest != path, f"{path.name} deleted while it is the newest complete checkpoint"
-            checkpoint_resume.read_checkpoint_state(newest)
+            resume_checks.read_checkpoint_state(newest)
             deleted.append(path.name)
         real_rmtree(path, *args, **kwargs)
 
@@ -172,13 +172,13 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
         (checkpoint.Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
         raise KeyboardInterrupt  # what a kill looks like from here: the save stops midway
 
-    real_dcp_save = checkpoint_resume.dcp.save
-    monkeypatch.setattr(checkpoint_resume.dcp, "save", dies_while_writing)
+    real_dcp_save = checkpoint_save.dcp.save
+    monkeypatch.setattr(checkpoint_save.dcp, "save", dies_while_writing)
     with pytest.raises(KeyboardInterrupt):
         save(15)
     checkpoints = checkpoint.list_checkpoints(tmp_path)
     assert [p.name for p in checkpoints] == ["step_10"]
-    assert checkpoint_resume.read_checkpoint_state(tmp_path / "checkpoints" / "step_10")["step"] == 10
+    assert resume_checks.read_checkpoint_state(tmp_path / "checkpoints" / "step_10")["step"] == 10
     assert checkpoint.resolve_checkpoint("auto", tmp_path) == tmp_path / "checkpoints" / "step_10"
     _, fresh_model, fresh_optimizer, fresh_scheduler = one_process_run()
     with torch.no_grad():
@@ -186,7 +186,7 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_is_complete(tmp_path, m
     loaded = checkpoint.load_checkpoint(accelerator, checkpoints[-1], fresh_model, fresh_optimizer, fresh_scheduler)
     assert loaded["step"] == 10 and torch.equal(fresh_model.lm_head.weight, model.lm_head.weight)
 
-    monkeypatch.setattr(checkpoint_resume.dcp, "save", real_dcp_save)
+    monkeypatch.setattr(checkpoint_save.dcp, "save", real_dcp_save)
     save(20)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_20"], "the interrupted save's leftovers remain"
     assert deleted == ["step_5", "step_10"]
@@ -223,7 +223,7 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
     peers on other hosts, found only by the address in gloo's message. Only what is known is said: a survivor
     that left first, a running peer, an address that two hosts hold, or one of this host's, names nobody."""
     from common import faults, peer_records, peers
-    from common.errors import RunPosition
+    from common.run_state import RunPosition
 
     monkeypatch.setattr(faults.torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(faults.torch.distributed, "get_rank", lambda: 0)
@@ -235,7 +235,7 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
     try:
 
         def peer(rank: int, proc=None, **facts) -> dict:
-            started = peer_records._proc_stat(proc.pid)[19] if proc else None
+            started = peer_records.proc_stat(proc.pid)[19] if proc else None
             return me | {"rank": rank, "pid": proc.pid if proc else 0, "started": started} | facts
 
         killed, reaped, stopped, running, survivor = sleepers
@@ -258,7 +258,7 @@ def test_the_lost_peer_is_named_from_its_process_or_gloos_address_and_never_gues
         reaped.wait(), survivor.wait()
         stopped.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while [peer_records._proc_stat(p.pid)[0] for p in (killed, stopped)] != ["Z", "T"]:
+        while [peer_records.proc_stat(p.pid)[0] for p in (killed, stopped)] != ["Z", "T"]:
             assert time.monotonic() < deadline, "the signals did not arrive"
             time.sleep(0.01)
         this_host = [
@@ -299,12 +299,12 @@ def test_a_peer_still_being_ended_is_named(monkeypatch):
     peer = {"pid": 4242, "started": "7"}
     ending, killed = stat("R", peers.PF_EXITING), stat("Z", peers.PF_EXITING, status=signal.SIGKILL)
     reads = iter([ending, ending, killed])
-    monkeypatch.setattr(peer_records, "_proc_stat", lambda pid: next(reads))
-    assert peers._state_of(peer) == ("gone", ", killed by SIGKILL")
-    monkeypatch.setattr(peer_records, "_proc_stat", lambda pid: ending)
-    assert peers._state_of(peer) == ("gone", "")
-    monkeypatch.setattr(peer_records, "_proc_stat", lambda pid: stat("S", 0x400000))  # running: maybe a survivor
-    assert peers._state_of(peer) is None
+    monkeypatch.setattr(peer_records, "proc_stat", lambda pid: next(reads))
+    assert peers.state_of(peer) == ("gone", ", killed by SIGKILL")
+    monkeypatch.setattr(peer_records, "proc_stat", lambda pid: ending)
+    assert peers.state_of(peer) == ("gone", "")
+    monkeypatch.setattr(peer_records, "proc_stat", lambda pid: stat("S", 0x400000))  # running: maybe a survivor
+    assert peers.state_of(peer) is None
 
 
 def test_a_peer_killed_during_evaluate_py_leaves_one_line(tmp_path, data_cache):

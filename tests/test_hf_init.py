@@ -95,7 +95,7 @@ def test_a_parents_init_is_seen_writing_a_child_even_where_torch_skips_meta():
     from torch import nn
     from transformers import initialization as init
 
-    from common.hf import _writes_of_each_init
+    from common.hf import writes_of_each_init
 
     block = nn.Module()
     block.router, block.proj = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
@@ -108,7 +108,7 @@ def test_a_parents_init_is_seen_writing_a_child_even_where_torch_skips_meta():
     order = [(block.router, init_fn), (block.proj, init_fn), (block, init_fn)]
     slots_of = {id(m.weight): [(m, "weight")] for m in (block.router, block.proj)}
     rng = torch.get_rng_state()
-    writes = _writes_of_each_init(order, slots_of, custom=False)
+    writes = writes_of_each_init(order, slots_of, custom=False)
     assert torch.equal(rng, torch.get_rng_state())
     assert writes == [set(), set(), {id(block.router.weight), id(block.proj.weight)}]
     assert not block.router.weight.is_meta  # the model's own tensors are back in their slots

@@ -9,7 +9,7 @@ stops being refused, fails the test, and a run that ends 0 with other losses alw
 
 Two launches run every cell in turn (tests/zoo_driver.py), one of 2 processes for the 2-process columns
 and one of 4 for the hybrid's, beside the one-process reference's: start-up, not training, is what a
-tiny run costs here. The table in docs/your-model.md is this test's output:
+tiny run costs here. The table in docs/your-model-reference.md is this test's output:
 
     ZOO_TABLE=zoo.md python -m pytest tests/test_hf_zoo.py -n 0 -s
 
@@ -199,7 +199,7 @@ def write_table() -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
-PAGES = {"docs/your-model.md": "refused", "docs/zh/your-model.md": "拒绝"}  # page -> its word for "refused"
+PAGES = {"docs/your-model-reference.md": "refused", "docs/zh/your-model-reference.md": "拒绝"}  # page -> "refused"
 
 
 def page_tables(path: Path) -> list[dict]:
@@ -225,7 +225,7 @@ def page_tables(path: Path) -> list[dict]:
 def test_the_page_shows_what_the_test_expects(page):
     """Both tables of the page agree with this test: a cell that the runs would change (the section regenerated
     by hand from ZOO_TABLE's output) cannot be left standing, and the Chinese edition carries the same figures."""
-    refused, english = PAGES[page], page_tables(Path(__file__).resolve().parents[1] / "docs/your-model.md")
+    refused, english = PAGES[page], page_tables(Path(__file__).resolve().parents[1] / "docs/your-model-reference.md")
     tables = page_tables(Path(__file__).resolve().parents[1] / page)
     assert len(tables) == 2, f"{page}: {len(tables)} tables in the zoo's section, not 2 (the zoo, families more)"
     for table, families, expected, in_english in zip(

@@ -190,13 +190,13 @@ def test_a_held_lock_refuses_every_rank_of_a_two_process_run(runs, tmp_path, dat
 
 
 def test_sync_batchnorm_is_recorded_and_checked_where_the_model_has_batchnorm(tmp_path):
-    from common.checkpoint import _data_flags
-    from common.checkpoint_resume import check_same_data_flags
+    from common.checkpoint import data_flags_of
+    from common.resume_checks import check_same_data_flags
 
     args = argparse.Namespace(document_mask=False, sync_batchnorm=True)
     with_bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-    assert _data_flags(args, with_bn) == {"document_mask": False, "sync_batchnorm": True}
-    assert _data_flags(args, torch.nn.Linear(2, 2)) == {"document_mask": False}  # nothing it would change
+    assert data_flags_of(args, with_bn) == {"document_mask": False, "sync_batchnorm": True}
+    assert data_flags_of(args, torch.nn.Linear(2, 2)) == {"document_mask": False}  # nothing it would change
     with pytest.raises(UsageError, match="saved with --sync_batchnorm, this run has no --sync_batchnorm"):
         check_same_data_flags({"data_flags": {"sync_batchnorm": True}}, tmp_path, {"sync_batchnorm": False})
     check_same_data_flags({}, tmp_path, {"sync_batchnorm": False})  # an older checkpoint records none
@@ -294,7 +294,8 @@ class LockedSchedule:
 def test_a_state_that_cannot_be_saved_fails_before_step_1(tmp_path, state):
     from types import SimpleNamespace
 
-    from common.checkpoint import check_resume_and_output, load_checkpoint, release_output_dir
+    from common.checkpoint import load_checkpoint, start_point
+    from common.output_checks import check_resume_and_output, release_output_dir, trial_checkpoint
     from common.task import Task
 
     accelerator = SimpleNamespace(
@@ -308,9 +309,11 @@ def test_a_state_that_cannot_be_saved_fails_before_step_1(tmp_path, state):
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LockedSchedule())
     try:
-        check_resume_and_output(accelerator, args, model, Task(), 8)
+        resume_path, facts = start_point(accelerator, args, model, Task(), 8)
+        check_resume_and_output(accelerator, args, resume_path, facts)
+        load_checkpoint(accelerator, resume_path, model, optimizer, scheduler)
         with pytest.raises(UsageError) as refused:
-            load_checkpoint(accelerator, None, model, optimizer, scheduler)
+            trial_checkpoint(accelerator, args, facts, model, optimizer, scheduler)
     finally:
         release_output_dir()
     assert str(refused.value).startswith(

@@ -1,4 +1,4 @@
-"""docs/your-model.md's third worked example (issue 42): pytorch/examples' word_language_model RNNModel as a
+"""docs/your-model-reference.md's worked example (issue 42): pytorch/examples' word_language_model RNNModel as a
 GRU (the decoder tied to the embedding, time-major outputs, dropout), copied from train_ddp.py and train_fsdp.py
 with the page's own rnn_lm.py and diffs, outside the repository.
 
@@ -24,7 +24,7 @@ from test_your_model import code_blocks, run_copy
 
 from conftest import CPU_MULTI, REPO, SCRIPTS, assert_same_losses, free_port, read_metrics
 
-PAGE, PAGE_ZH = REPO / "docs" / "your-model.md", REPO / "docs" / "zh" / "your-model.md"
+PAGE, PAGE_ZH = REPO / "docs" / "your-model-reference.md", REPO / "docs" / "zh" / "your-model-reference.md"
 DIFF_LABEL = re.compile(r"--- gru/(\S+)\n\+\+\+ gru/(\S+)\n")
 COPIES = ("train_ddp.py", "train_fsdp.py")
 STEPS = 6
@@ -228,8 +228,9 @@ def test_samples_on_the_wrong_dimension_are_one_line_even_where_the_shapes_fit()
     from torch.utils.data import TensorDataset
 
     sys.path.insert(0, str(SCRIPTS))
+    from common.contract_check import check_task_contract
     from common.errors import UsageError
-    from common.task import Task, check_task_contract
+    from common.task import Task
 
     class TimeMajorTask(Task):
         units_path = None
@@ -265,8 +266,8 @@ def test_a_tied_hf_model_passes_the_trial_export_and_round_trips(tmp_path):
     from test_hf_model import BASE, SEQ, flags
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    from common.contract_check import trial_export
     from common.hf import load_hf_model
-    from common.task import trial_export
 
     folder = tmp_path / "tied"
     LlamaForCausalLM(LlamaConfig(**{**BASE, "vocab_size": 256, "tie_word_embeddings": True})).save_pretrained(folder)

@@ -1,9 +1,8 @@
 """Writing a checkpoint (common/checkpoint.py's save_checkpoint): into `checkpoints/.tmp_step_<N>`,
 renamed once complete, so a kill at any moment leaves the previous checkpoint; a save that fails
-(a full disk) removes it and is one line on every rank. The trial checkpoint before step 1: the
-run's own save and load, once, in OUTPUT_DIR/.trial_checkpoint (a checkpoint that cannot be
-written or read back fails there, with nothing trained). And the line for an export of `model/`
-that failed. Imported only by a run that saves checkpoints, or whose export failed."""
+(a full disk) removes it and is one line on every rank. And the line for an export of `model/`
+that failed. Imported only by a run that saves checkpoints (and by its trial checkpoint before
+step 1: common/resume_checks.py), or whose export failed."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -24,21 +22,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from .batchnorm import average_running_stats
-from .checkpoint import _checkpoints_dir, list_checkpoints
-from .checkpoint_resume import (
+from .checkpoint_format import (
     EXTRA_STATE_FILE,
     STATE_DIGEST_KEY,
     STATE_FILE,
-    _each_rank_alone,
-    _rng_state,
-    _set_rng_state,
-    _unwrap_optimizer,
-    check_checkpoint_files,
+    checkpoints_dir,
+    each_rank_alone,
+    list_checkpoints,
     options_for,
-    read_checkpoint_state,
     record_checkpoint_files,
-    restore,
+    rng_state,
     state_digest,
+    unwrap_optimizer,
 )
 from .errors import UsageError
 
@@ -48,7 +43,7 @@ def save(accelerator, args, step: int, feed, saved: tuple, facts: dict) -> Path:
     extra_state): into checkpoints/.tmp_step_<N>, published once whole."""
     average_running_stats(saved[0], feed.dp_group)
     trainer_state, output_dir = {"step": step, **feed.position(), **facts}, args.output_dir
-    root = _checkpoints_dir(output_dir)
+    root = checkpoints_dir(output_dir)
     final = root / f"step_{trainer_state['step']}"
     tmp = root / f".tmp_step_{trainer_state['step']}"
     write_checkpoint(accelerator, tmp, trainer_state, saved, partial(_save_failed_line, tmp, step))
@@ -69,12 +64,12 @@ def write_checkpoint(accelerator, tmp: Path, trainer_state: dict, saved: tuple, 
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
             (tmp / "rng").mkdir(parents=True)
     _all_written(accelerator, failed, tmp, failed_line)
-    model_sd, optim_sd = get_state_dict(model, _unwrap_optimizer(optimizer), options=options_for(model))
+    model_sd, optim_sd = get_state_dict(model, unwrap_optimizer(optimizer), options=options_for(model))
     state_dir = tmp / "state" / f"rank_{accelerator.process_index}" if per_rank_state else tmp / "state"
     with _noting_write_failure(tmp, any_error) as failed:
-        with _each_rank_alone(per_rank_state):
+        with each_rank_alone(per_rank_state):
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(state_dir), no_dist=per_rank_state)
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
+        torch.save(rng_state(), tmp / "rng" / f"rank_{accelerator.process_index}.pt")
         if accelerator.is_main_process:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             if extra_state is not None:  # inside the checkpoint before it is published: whole or not at all
@@ -182,7 +177,7 @@ def publish_checkpoint(tmp: Path, final: Path, output_dir, keep_last: int) -> No
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _free_space(folder: Path) -> str:
+def free_space(folder: Path) -> str:
     free = shutil.disk_usage(next(d for d in [folder, *folder.parents] if d.exists())).free
     return f"{free:,} bytes" if free < 2**20 else f"{free / 2**20:,.1f} MiB"
 
@@ -193,7 +188,7 @@ def export_failed_line(error: Exception, model_dir: Path, full_sd: dict) -> str:
     tmp = model_dir.with_name(f".export_{model_dir.name}")  # where Task.export wrote (export_model)
     refused, kept = _write_failure(error, tmp), list_checkpoints(model_dir.parent)
     size = sum(v.numel() * v.element_size() for v in full_sd.values() if isinstance(v, torch.Tensor)) / 2**20
-    why = f"{refused}; {_free_space(model_dir)} free there, {size:,.1f} MiB of weights to write" if refused else ""
+    why = f"{refused}; {free_space(model_dir)} free there, {size:,.1f} MiB of weights to write" if refused else ""
     why, fix = why or f"Task.export raised {_error_line(error)}", "free space there, or give another --output_dir"
     fix = fix if refused else "fix Task.export in the script's MODEL section (docs/your-model.md)"
     then = "then run again (no checkpoint was kept to resume: --checkpoint_every N keeps them)"
@@ -202,72 +197,3 @@ def export_failed_line(error: Exception, model_dir: Path, full_sd: dict) -> str:
         then += f"--output_dir: --resume_from_checkpoint {kept[-1]})"
     failed = f"the final model could not be written to {model_dir} ({why}): its partial files are removed"
     return f"{failed}; {fix}, {then}"
-
-
-# ---------------------------------------------------------------- the trial checkpoint, before step 1
-# A checkpoint that cannot be written (a disk too small, no permission) or read back (a state torch cannot save,
-# a load that cannot read what was saved) would fail at the first save, after training; tried once before step 1,
-# it fails there, in one line, with nothing trained.
-TRIAL_DIR = ".trial_checkpoint"  # OUTPUT_DIR/.trial_checkpoint: beside checkpoints/, on the same file system
-
-
-def trial_checkpoint(accelerator, run: dict, model, optimizer, scheduler, step: int, per_rank_state: bool) -> None:
-    """Collective: the run's own save (write_checkpoint: every rank writes its part) into OUTPUT_DIR/.trial_checkpoint,
-    then what a resume does with it (its integrity check, its load), then the folder removed. It changes nothing:
-    what it loads is what it saved, and the RNG is put back. A fresh run's optimizer has no state yet: it is saved
-    without one (torch would fill it with an optimizer step of zero gradients, running the optimizer's hooks)."""
-    folder = Path(run["output_dir"]) / TRIAL_DIR
-    rng, agreed = _rng_state(), False
-    try:
-        with _no_state_filled_in(optimizer), warnings.catch_warnings():
-            # one process: DCP's warning that it assumes "a single process" is right, and not the run's to print
-            warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninit")
-            saved, failed_line = (model, optimizer, scheduler, per_rank_state, None), partial(_trial_line, folder)
-            write_checkpoint(accelerator, folder, {"step": step, **run["facts"]}, saved, failed_line, any_error=True)
-            try:
-                check_checkpoint_files(folder, read_checkpoint_state(folder))  # the integrity check of a resume
-                restore(accelerator, folder, model, optimizer, scheduler, per_rank_state)  # the load of a resume
-            except UsageError as e:  # the resume's line about the trial folder: what failed in it
-                what = str(e).removeprefix(f"--resume_from_checkpoint {folder}: ")
-                what = re.split(r": this checkpoint cannot be resumed|; the checkpoint is damaged", what)[0]
-                raise UsageError(_trial_line(folder, what, None)) from None
-        agreed = True
-    except UsageError:  # every rank raises the same line (the notes and DCP's failures are gathered)
-        agreed = True
-        raise
-    finally:
-        if agreed:
-            accelerator.wait_for_everyone()  # no rank still reads it
-        if accelerator.is_main_process:
-            shutil.rmtree(folder, ignore_errors=True)
-        _set_rng_state(rng)
-
-
-@contextmanager
-def _no_state_filled_in(optimizer):
-    """An optimizer without state: a zero gradient on one parameter while it is saved and loaded, so that torch's
-    get_state_dict/set_state_dict leave it without state instead of taking a step to fill it in."""
-    torch_optimizer = _unwrap_optimizer(optimizer)
-    params = [p for group in torch_optimizer.param_groups for p in group["params"] if p.requires_grad]
-    empty = not torch_optimizer.state and params and all(p.grad is None for p in params)
-    if empty:
-        params[0].grad = torch.zeros_like(params[0])
-    try:
-        yield
-    finally:
-        if empty:
-            params[0].grad = None
-
-
-def _trial_line(folder: Path, reason: str, refused: bool | None) -> str:
-    """refused: the file system refused a write; False: the save failed otherwise; None: it cannot be read back."""
-    if refused:
-        failed = f"could not be written to {folder} ({reason}; {_free_space(folder)} free there)"
-        fix = "free space there, or give another --output_dir"
-    else:
-        failed = f"could not be saved ({reason})" if refused is False else f"cannot be read back ({reason})"
-        fix = "keep what the model, the optimizer and the LR scheduler hold savable (docs/troubleshooting.md)"
-    return (
-        f"a trial checkpoint before step 1 {failed}: the run's checkpoints would fail so, after training; nothing is "
-        f"trained: {fix}, or train without checkpoints (--checkpoint_every 0, no --stop_at_step)"
-    )

@@ -1,15 +1,12 @@
 """Context parallelism's refusals (train_cp.py, train_hybrid.py --cp_size), one line each, before
 anything is cut: the CP size against the processes, the model's Task against CP's contract, the
-sequence against the chunks, and Ulysses' heads against cp. And train_cp.py's flags' help."""
+sequence against the chunks, and Ulysses' heads against cp; and the probe of what the model's
+attention receives (attention_shapes: the checks', the chunks' and the start line's figures)."""
 
-from .cp_costs import attention_shapes
+import torch
+import torch.nn.functional as F
+
 from .errors import UsageError
-
-CP_SIZE_HELP = "ranks that cut each sequence: all processes (-1); the other factor is data parallel"
-CP_IMPL_HELP = (
-    "ring: K/V travel around the ranks, any head count (sequence divisible by 2 x cp); ulysses: "
-    "all-to-alls to head shards and back, fewer bytes, the heads and K/V heads divisible by cp"
-)
 
 
 def check_cp_size(cp_size: int, n_processes: int) -> None:
@@ -70,7 +67,7 @@ def check_cp(layout, model, task, args) -> dict | None:
 
 def check_ulysses_heads(layout, shapes: dict) -> None:
     """Ulysses cuts the heads over the CP ranks: the query heads and the K/V heads (as the attention
-    receives them, cp_costs.attention_shapes) must divide by cp, one line otherwise."""
+    receives them, attention_shapes) must divide by cp, one line otherwise."""
     q_heads, kv_heads = shapes["q_heads"], shapes["kv_heads"]
     if q_heads % layout.cp or kv_heads % layout.cp:
         kv = f" and {kv_heads} K/V heads" if kv_heads != q_heads else ""
@@ -88,3 +85,34 @@ def check_cp_model(layout, model, task, args, device) -> dict | None:
     if layout.cp > 1 and args.cp_impl == "ulysses":
         check_ulysses_heads(layout, kv_shape)
     return kv_shape
+
+
+def attention_shapes(task, model, device) -> dict:
+    """What CP carries, measured on the model through the contract alone (Task.set_attention,
+    Task.forward_at): one forward of 2 tokens with a recording attention in every layer gives the
+    query and K/V heads and widths as the attention receives them (heads x head_dim; grouped KV
+    heads may arrive repeated), the layers that call it and each one's sliding window (None: the
+    whole past): the ring's and Ulysses' bytes, the ring's chunks, and Ulysses' head check. In
+    training mode, the generator put back after: the largest dropout_p asked for (check_cp)."""
+    seen, windows, dropouts = [], [], [0.0]
+
+    def recording_attention(q, k, v, dropout_p=0.0, window=None, sinks=None, softcap=None, documents=None):
+        kv_width = (k.shape[1] * k.shape[-1] + v.shape[1] * v.shape[-1]) / 2
+        seen.append((q.shape[1], k.shape[1], q.shape[1] * q.shape[-1], kv_width))
+        windows.append(window)
+        dropouts.append(float(dropout_p or 0.0))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+    was_training = model.training
+    model.train()  # a layer asks for its attention dropout only in training
+    task.set_attention(model, recording_attention)
+    try:  # fork_rng: the other dropouts' draws leave no trace on a resumed run's generator
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            ids, positions = torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device)
+            task.forward_at(model, ids, positions)
+    finally:
+        task.set_attention(model, None)
+        model.train(was_training)
+    q_heads, kv_heads, q_width, width = seen[0] if seen else (0, 0, 0, 0)
+    shapes = {"q_heads": q_heads, "kv_heads": kv_heads, "q_width": q_width, "width": width, "layers": len(seen)}
+    return shapes | {"windows": windows, "dropout": max(dropouts)}

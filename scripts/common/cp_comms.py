@@ -1,13 +1,12 @@
 """Context parallelism's communications (train_cp.py, train_hybrid.py --cp_size), apart from the
 attention that uses them, as picotron keeps its ring in cp_communications.py: the ring's paired
 send and receive of a K/V block (and of its dK/dV on the way home), and Ulysses' all-to-alls that turn
-sequence shards into head shards and back. Each counts the bytes it sent (the run's summary)."""
+sequence shards into head shards and back. Each counts the bytes it sent (the run's summary). The
+algorithm that calls them is in train_cp.py and context_parallel.py; this module imports neither."""
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-
-from .cp_costs import blocks_per_rank
 
 
 class Ring:
@@ -20,10 +19,11 @@ class Ring:
         self.sent_bytes = {"forward": 0, "backward": 0}
         self.blocks_computed = self.blocks_skipped = 0
 
-    def count_blocks(self, computed: int) -> None:
-        """One forward's attention blocks: those computed, and the causal ring's others (skipped)."""
+    def count_blocks(self, computed: int, causal: int) -> None:
+        """One forward's attention blocks: those computed, and the others of the `causal` blocks a
+        causal ring without other masks has this rank compute (skipped by the masks)."""
         self.blocks_computed += computed
-        self.blocks_skipped += blocks_per_rank(self.chunks_of)[self.rank] - computed
+        self.blocks_skipped += causal - computed
 
     def peer(self, hops: int) -> int:
         """The global rank `hops` ranks further round the ring (negative: back)."""

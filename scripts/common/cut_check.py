@@ -1,63 +1,47 @@
-"""Every run proves its cut before step 1: the strategy's own forward and backward, on a probe of a few
-validation samples, against the uncut model on one rank (the same weights, gathered from the shards).
+"""Every run of more than one process proves its cut before step 1: the strategy's own forward and
+backward, on a probe of a few validation samples, against the uncut model on one rank (the same weights,
+gathered from the shards). Two lines of the script start it:
 
-    uncut_copy(model, task)   in the MODEL section's wake, before the strategy cuts anything: a whole copy
-    check_cut(...)            after the strategy, before step 1: one probe step through the lesson's own
-                              step function; the loss and every parameter's gradient (made whole from its
-                              shards) against the copy's on the same samples, in eval mode (no dropout),
-                              the RNG untouched. Within tolerance: a start line "cut checked: ...";
-                              otherwise one `error:` line naming the strategy, the first module where the
-                              two part (common/cut_parting.py), the gap, and the way out. --skip_cut_check
-                              skips it, loudly.
+    reference = uncut_copy(model, task)   in the MODEL section's wake, before the strategy cuts anything:
+                                          a whole copy (or the start line, where there is none)
+    check_cut(...)                        after the strategy, before step 1: one probe step through the
+                                          lesson's own step function against the copy (common/cut_probe.py);
+                                          its start line "cut checked: ...", or one `error:` line naming the
+                                          strategy, the first module where the two part, the gap, and the way
+                                          out. --skip_cut_check skips it, loudly.
 
-Nothing here knows a family, a mask or a plan: a cut that changes what the model computes (a bias the
-attention replacement drops, a layer that mixes tokens across a sequence cut, a tied weight cut alike on
-one side only) shows in the numbers, whatever its name. A model too large for one rank is checked on a
-shrunken copy of its architecture (common/shrunk.py; a model of one's own: skipped, and said). What it
-cannot see: layouts whose micro-batches group samples differently, where a model whose outputs depend on
-its batch's other samples is refused in its own line."""
+One process cuts nothing: there is nothing to prove, and the probe is not imported. Nothing here knows a
+family, a mask or a plan: a cut that changes what the model computes shows in the numbers, whatever its
+name. A model too large for one rank is checked on a shrunken copy of its architecture (common/shrunk.py;
+a model of one's own: skipped, and said)."""
 
 from __future__ import annotations
 
 import copy
 import os
-import sys
-import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import psutil
 import torch
 import torch.distributed as dist
-from accelerate.utils import send_to_device
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, _get_fqns, get_model_state_dict
-from torch.distributed.tensor import DTensor
-from torch.utils.data import default_collate
 
-from .errors import UsageError
+from .run_state import RunPosition
 
-PROBE_SAMPLES = 2  # per micro-batch: enough to batch, cheap on any model
 REFERENCE_BYTES_MAX = 4 * 2**30  # a whole copy beyond this stays unbuilt: the check says it was skipped
-SHRUNKEN: list[str] = []  # while common/shrunk.py runs the script on a shrunken copy: its words
-
-
-class ShrunkenChecked(Exception):
-    """Raised by check_cut in a shrunken copy's run, with its start line: that run stops there."""
-
-
-RTOL = {"no": 1e-4, "bf16": 5e-2, "fp16": 5e-2}  # of each gradient's largest entry (and of the loss)
 
 
 def uncut_copy(model: nn.Module, task, skip: bool = False):
     """A whole copy of the model as the MODEL section built it, on the CPU (a 🤗 model still on the meta
     device is made whole there, its weights overwritten by the run's own at the check), or, where there
-    is none, the start line: a str. A model too large for one rank is checked as a shrunken copy
-    of its architecture (common/shrunk.py: the same script, up to its check, on the same config narrowed)."""
+    is none, the start line: a str; None on one process (nothing is cut). A model too large for one rank is
+    checked as a shrunken copy of its architecture (common/shrunk.py: the same script, up to its check, on the
+    same config narrowed)."""
     if skip:
         return "cut check: skipped (--skip_cut_check): nothing proves that the cut computes the model"
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None  # one process: nothing is cut, nothing to check
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if n_bytes > reference_bytes_max() and not SHRUNKEN:
+    if n_bytes > reference_bytes_max() and not RunPosition.shrunken_copy:
         from .shrunk import check_shrunken_copy  # imported only by a run whose model is too large
 
         return check_shrunken_copy(model, task, n_bytes)
@@ -94,172 +78,22 @@ def to_empty_keeping_ties(model: nn.Module, device) -> None:
             setattr(module, name, first)
 
 
-def probe_step(task, validation, dp_rank: int, dp_size: int, grad_accum: int, device, size: int = PROBE_SAMPLES):
-    """The probe: dp_size x grad_accum micro-batches of `size` validation samples. Returns this rank's
-    micro-batches, all of them (for the uncut model), the same samples as one batch, and their target count."""
-    samples = [validation[i % len(validation)] for i in range(dp_size * grad_accum * size)]
-    micro_batches = [default_collate(samples[i : i + size]) for i in range(0, len(samples), size)]
-    n_targets = sum(task.count_targets(mb) for mb in micro_batches)
-    mine = micro_batches[dp_rank * grad_accum : (dp_rank + 1) * grad_accum]
-    whole = default_collate(samples)
-    device_mbs = send_to_device(mine, device)
-    return device_mbs, micro_batches, whole, torch.as_tensor(n_targets, device=device)
-
-
-def _name_of(model: nn.Module, name: str) -> str:
-    fqns = _get_fqns(model, name)  # without DDP's `module.`, compile's `_orig_mod.`, checkpoint wrappers
-    return next(iter(fqns)) if len(fqns) == 1 else name
-
-
-def whole_gradients(model: nn.Module, dp_group=None, dp_size: int = 1) -> dict[str, torch.Tensor]:
-    """{parameter name: its whole gradient, on the CPU} for what this rank holds: DTensor shards made
-    whole (a collective over their mesh); a plain tensor's averaged over the data-parallel ranks, as DDP
-    averages them (the same numbers again where DDP did; Local SGD's replicas keep theirs apart)."""
-    grads = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        if isinstance(g, DTensor):
-            g = g.full_tensor()
-        g = g.detach().clone()
-        if dp_size > 1 and dist.is_initialized():
-            dist.all_reduce(g, group=dp_group)
-            g /= dp_size
-        grads[_name_of(model, name)] = g.float().cpu()
-    return grads
-
-
-def reference_step(reference, task, micro_batches, whole, n_targets, autocast) -> tuple:
-    """The uncut model on every micro-batch of the probe: the loss (global sum / global targets), the
-    gradients of that loss, and the loss of the same samples as one batch."""
-    reference.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros(())
-    for mb in micro_batches:
-        with autocast():
-            mb_loss, _ = task.loss_of(reference, mb)
-            (mb_loss / n_targets.cpu()).backward()
-        loss_sum += mb_loss.detach().float()
-    with torch.no_grad(), autocast():
-        whole_loss, _ = task.loss_of(reference, whole)
-    grads = {
-        n: p.grad.detach().float() if p.grad is not None else torch.zeros_like(p)
-        for n, p in reference.named_parameters()
-        if p.requires_grad
-    }
-    return float(loss_sum / n_targets.cpu()), grads, float(whole_loss.float() / n_targets.cpu())
-
-
-def _gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(max |a - b|, relative to b's largest entry); inf where shapes differ or a value is not finite."""
-    if a.shape != b.shape or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return float("inf"), float("inf")
-    diff = (a - b).abs().max().item() if a.numel() else 0.0
-    return diff, diff / max(b.abs().max().item() if b.numel() else 0.0, 1e-12)
-
-
-def check_cut(accelerator, model, step_fn, reference, task, validation, grad_accum: int, layout=None) -> str:
-    """Collective. One probe step through `step_fn(micro_batches, n_global_targets)` (the lesson's own
-    forward and backward: it returns this rank's loss sum) against `reference`, the data-parallel ranks
-    from `layout` (default: every process a replica). What a step may say of itself: `micro_batch_size`,
-    the one it takes (a pipeline, whose stages send each other tensors of the run's shape; default 2
-    samples); `token_positions`, the sequence positions this rank computes (CP: outputs are compared
-    there). Gradients a rank keeps apart from its replicas (Local SGD) are averaged over them, as DDP
-    would. Returns the start line; raises UsageError where the cut is not the model. The RNG, the model's
-    mode and its gradients are left as they were (no gradients), so the run that follows is the run
-    without the check."""
-    strategy = Path(sys.argv[0]).name  # the lesson: train_cp.py
+def check_cut(accelerator, model, step_fn, reference, task, validation, grad_accum: int, layout=None) -> None:
+    """Collective. One probe step through `step_fn(micro_batches, n_global_targets)` (the lesson's own forward
+    and backward: it returns this rank's loss sum) against `reference` (common/cut_probe.py's probe_cut says
+    what a step may say of itself); prints the start line, or raises UsageError where the cut is not the model.
+    The RNG, the model's mode and its gradients are left as they were, so the run that follows is the run
+    without the check. Nothing on one process (reference None: nothing is cut)."""
+    if reference is None:
+        return
     if isinstance(reference, str):  # the start line already: skipped, or checked on a shrunken copy
-        return reference
-    start = time.perf_counter()
-    dp_rank, dp_size = (layout.dp_rank, layout.dp) if layout else (accelerator.process_index, accelerator.num_processes)
-    device, rtol = accelerator.device, RTOL.get(accelerator.mixed_precision, RTOL["bf16"])
-    autocast = _cpu_autocast(accelerator.mixed_precision)
-    size = getattr(step_fn, "micro_batch_size", None) or PROBE_SAMPLES
-    mine, all_mbs, whole, n_targets = probe_step(task, validation, dp_rank, dp_size, grad_accum, device, size)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _eval(model), _eval(reference):
-        dp_group = layout.group("dp") if layout else None  # None: every process a replica
-        cut_loss, cut_grads = _cut_step(accelerator, model, step_fn, mine, n_targets, dp_group, dp_size)
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # collective
-        weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in weights.items()}
-        reference.load_state_dict(weights, strict=False)  # a pipeline rank holds only its stages' part
-        ref_loss, ref_grads, whole_loss = reference_step(reference, task, all_mbs, whole, n_targets, autocast)
-        worst, gaps = 0.0, [_gap(torch.tensor(cut_loss), torch.tensor(ref_loss))[1]]
-        for name, ref in ref_grads.items():
-            if name in cut_grads:
-                diff, rel = _gap(cut_grads[name], ref)
-                worst, gaps = max(worst, diff), gaps + [rel if diff > 1e-7 else 0.0]
-        # a strategy that made a parameter anew may have made a frozen one train (LoRA's base, frozen experts)
-        frozen = {n for n, p in reference.named_parameters() if not p.requires_grad}
-        thawed = sorted(n for n in cut_grads if n in frozen)
-        parted = torch.tensor([float(max(gaps) > rtol), float(bool(thawed))], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(parted, op=dist.ReduceOp.MAX)
-        if parted[1].item():
-            raise UsageError(
-                f"{strategy}: the cut model trains what the model freezes ({', '.join(thawed[:3]) or 'on a peer'}): "
-                "the strategy made a parameter anew without its requires_grad; keep requires_grad=param.requires_grad"
-            )
-        if parted[0].item():  # every rank: one more probe step, each module's output against the uncut one's
-            from .cut_parting import first_parting  # only a cut that parts from the model looks for where
+        line = reference
+    else:
+        from .cut_probe import probe_cut  # only a run that cut the model probes it
 
-            first = first_parting(model, step_fn, mine, n_targets, reference, task, all_mbs, dp_rank, grad_accum)
-            where = f"at {first[0]} (its output off by {first[1]:.2g})" if first else "in the gradients"
-            on = f" ({SHRUNKEN[0]})" if SHRUNKEN else ""
-            raise UsageError(
-                f"{strategy}: the cut model does not compute the model{on}: on {len(all_mbs) * size} probe "
-                f"samples its loss is {cut_loss:.6g} against {ref_loss:.6g} uncut, and the two first part {where}: "
-                f"something there mixes what {strategy} cuts in a way it does not carry; "
-                "train it with another strategy (or, knowing the run is wrong, --skip_cut_check)"
-            )
-    if dp_size > 1 or (layout and layout.cp > 1):  # one process has no other rank to wait for
-        from .layer_drop import check_no_layer_drop  # so a run of one does not import it
+        line = probe_cut(accelerator, model, step_fn, reference, task, validation, grad_accum, layout)
+    if RunPosition.shrunken_copy:  # the shrunken copy's run ends here: its line is the run's
+        from .shrunk import ShrunkenChecked
 
-        check_no_layer_drop(reference, task, all_mbs[0], strategy)
-    reference.to_empty(device="meta")  # the copy's memory back to the run
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)  # the run's peak memory is its own steps'
-    batch_gap = _gap(torch.tensor(whole_loss), torch.tensor(ref_loss))[1]
-    if batch_gap > rtol and not _drops_tokens_by_design(model):
-        raise UsageError(
-            f"{strategy}: the model's loss depends on which samples share its micro-batch ({whole_loss:.6g} as "
-            f"one batch of the probe, {ref_loss:.6g} as micro-batches of {size}, eval mode): a layout "
-            "that changes the micro-batch would not be the run on one process; find what mixes samples in the "
-            "model's forward (or, knowing the runs differ, --skip_cut_check)"
-        )
-    line = (
-        f"cut checked: {strategy}'s step on {len(all_mbs) * size} probe samples = the uncut model's "
-        f"(loss |Δ| {abs(cut_loss - ref_loss):.1e}, gradients max |Δ| {worst:.1e}), {time.perf_counter() - start:.1f} s"
-    )
-    if SHRUNKEN:  # the shrunken copy's run ends here: its line is the run's
-        raise ShrunkenChecked(f"{line}, {SHRUNKEN[0]}")
-    return line
-
-
-@contextmanager
-def _eval(model: nn.Module):
-    """Eval mode (no dropout) for the probe; no gradients left behind."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
-
-
-def _cut_step(accelerator, model, step_fn, micro_batches, n_targets, dp_group, dp_size: int):
-    model.zero_grad(set_to_none=True)
-    loss = accelerator.reduce(step_fn(micro_batches, n_targets).detach().float(), reduction="sum")
-    return float(loss / n_targets), whole_gradients(model, dp_group, dp_size)
-
-
-def _cpu_autocast(precision: str):
-    if precision == "bf16":
-        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    return lambda: torch.autocast("cpu", enabled=False)
-
-
-def _drops_tokens_by_design(model: nn.Module) -> bool:
-    """--capacity_factor caps each expert per micro-batch: batch-dependent on purpose (docs/ep.md)."""
-    return any(getattr(m, "capacity_factor", None) for m in model.modules())
+        raise ShrunkenChecked(f"{line}, {RunPosition.shrunken_copy}")
+    accelerator.print(line)

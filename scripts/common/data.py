@@ -43,7 +43,7 @@ ADDITION_SIZES = {"train": 100_000, "validation": 1_000}
 # answer with a word-start piece ("▁"); byte-level BPE never does (each token covers at least one byte)
 ADDITION_TOKENIZER_SLACK = 2
 IN_MEMORY_MAX_TOKENS = 256 * 2**20  # per split: 1 GiB of int16 tensors (x2 columns) per process at most
-ROW_COLUMNS = ("input_ids", "labels", "position_ids")  # position_ids: --document_mask's (_encode_and_pack)
+ROW_COLUMNS = ("input_ids", "labels", "position_ids")  # position_ids: --document_mask's (encode_and_pack)
 HUB_CHECK_TIMEOUT = 3.0  # seconds to open a connection to the hub before calling it unreachable
 
 
@@ -285,7 +285,7 @@ def _feature_kind(feature) -> str:
     return "values of mixed kinds" if type(feature).__name__ == "Json" else type(feature).__name__
 
 
-def _encode_addition(batch, row_len: int, tokenizer=None):
+def encode_addition(batch, row_len: int, tokenizer=None):
     """One problem per row, padded to `row_len`; only the answer is a target. With a tokenizer the prompt
     ("042+317=") and the answer ("953\n") are tokenised apart, so no token straddles the "=" and the targets
     are exactly the answer's tokens; no special tokens are added (the answer's "\n" ends it, as in bytes)."""
@@ -316,7 +316,7 @@ def _encode_addition(batch, row_len: int, tokenizer=None):
     return {"input_ids": input_ids, "labels": labels}
 
 
-def _encode_and_pack(
+def encode_and_pack(
     batch, text_column: str, block_size: int, tokenizer=None, rows_are_lines: bool = False, documents: bool = False
 ):
     """Concatenate the batch's documents as bytes, or as token ids, and cut them into blocks of
@@ -377,12 +377,12 @@ def load_data(args, accelerator, block_size: int, tokenizer=None) -> Data:
             f": use --block_size >= {row_len}"
         )
     if is_addition:
-        encode, kwargs, seq_len = _encode_addition, {"row_len": row_len, "tokenizer": tokenizer}, row_len
+        encode, kwargs, seq_len = encode_addition, {"row_len": row_len, "tokenizer": tokenizer}, row_len
     else:
         # .txt files (and pystdlib, built as .txt) are read line by line
         rows_are_lines = not args.dataset_name and (args.train_file or "").endswith(".txt")
         encode, kwargs, seq_len = (
-            _encode_and_pack,
+            encode_and_pack,
             {
                 "text_column": args.text_column,
                 "block_size": block_size,

@@ -1,7 +1,7 @@
 """train_ep.py's refusals, one line each, before anything is cut: the built-in GPT's MoE flags
 against a 🤗 model (check_moe_flags), the degrees before any process group (check_ep_flags), and,
-once the model is built, its experts (check_experts: a 🤗 family's in common/hf_ep.py, then the
-slices FSDP cuts them into).
+once the model is built, its experts (check_experts: a 🤗 family's in common/hf_ep.py, a model of
+one's own without any, then the slices FSDP cuts them into).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ def check_moe_flags(args, parser) -> bool:
     model is trained."""
     named = getattr(args, "model_name_or_path", None) or getattr(args, "model_config", None)
     hf_model = bool(named)
+    if not hasattr(args, "model_size"):  # a model of one's own: its experts are counted once built
+        args.n_experts = None
+        return False
     if not hf_model:
         args.n_experts = BUILT_IN_EXPERTS if args.n_experts is None else args.n_experts
         return False
@@ -45,7 +48,8 @@ def check_ep_flags(args, world_size: int, hf_model: bool) -> int:
             "--compile: train_ep.py does not compile its blocks yet (the all-to-all's splits "
             "depend on the routing, which breaks the graph at every MoE layer); drop --compile"
         )
-    if args.n_experts < 1 and not hf_model:  # no experts to cut: it would train as plain FSDP
+    own_model = args.n_experts is None  # a model of one's own: check_experts counts its experts
+    if not own_model and args.n_experts < 1 and not hf_model:  # no experts to cut: plain FSDP
         raise UsageError(
             f"--n_experts {args.n_experts}: expert parallelism cuts the experts of MoE layers, and "
             "this model has none; give it experts (--n_experts 8, the default), or train a dense "
@@ -60,7 +64,7 @@ def check_ep_flags(args, world_size: int, hf_model: bool) -> int:
             "are cut over groups of ep ranks that tile the processes; use an --ep_size that "
             f"divides {world_size}"
         )
-    if not hf_model and args.n_experts % ep:
+    if not hf_model and not own_model and args.n_experts % ep:
         raise UsageError(
             f"--n_experts {args.n_experts} is not divisible by --ep_size {ep}: every EP rank holds "
             f"the same number of experts; use a multiple of {ep} experts or another --ep_size"
@@ -69,12 +73,27 @@ def check_ep_flags(args, world_size: int, hf_model: bool) -> int:
 
 
 def check_experts(model, task, expert_modules: list, ep: int, dp: int) -> None:
-    """Once the model is built, before it is cut: a 🤗 family's experts (common/hf_ep.py), then
-    the slices FSDP cuts each rank's experts into over the dp / ep groups."""
+    """Once the model is built, before it is cut: a 🤗 family's experts (common/hf_ep.py), a model
+    of one's own with none that train_ep.py's experts_of finds, then the slices FSDP cuts each
+    rank's experts into over the dp / ep groups."""
     if getattr(task, "hf_config", None) is not None:  # a 🤗 family's experts, named by its config
         from .hf_ep import check_hf_experts  # lazy: only a 🤗 model's run imports the 🤗 adapters
 
         check_hf_experts(model, task, expert_modules, ep)
+    if not expert_modules:  # a model of one's own (or the GPT built without experts)
+        raise UsageError(
+            f"train_ep.py cuts the experts of MoE layers, and finds none in {type(model).__name__}: its "
+            "experts_of finds the MoE layers of common/moe.py (MoE, as the built-in GPT's blocks hold) and "
+            "those a 🤗 config names; give your model's blocks those MoE layers in the MODEL section "
+            '(docs/ep.md, "A model of your own"), or train a model without experts with train_fsdp.py'
+        )
+    counts = sorted({experts.up_proj.shape[0] for experts in expert_modules if hasattr(experts, "up_proj")})
+    if any(n % ep for n in counts):  # a model of one's own: its MoE layers' own counts
+        raise UsageError(
+            f"--ep_size {ep}: the MoE layers of {type(model).__name__} hold {', '.join(map(str, counts))} experts, "
+            f"which {ep} does not divide: every EP rank holds the same number of experts; use an --ep_size that "
+            "divides them, or layers with a multiple of it"
+        )
     check_expert_slices(expert_modules, dp // ep)
 
 

@@ -17,11 +17,12 @@ def ep_start_line(n_experts: int, ep_size: int, dp_size: int) -> str:
     return ep_line + again
 
 
-def routing_record(model, ep_size: int, capacity_factor) -> dict:
+def routing_record(model, ep_size: int) -> dict:
     """What a train record adds: ep, and per MoE layer the last step's largest token count over
-    the mean (1.0: perfectly balanced; counted over the whole global batch), and with
-    --capacity_factor the share of token copies dropped."""
-    dropped = {"dropped_share": dropped_share(model)} if capacity_factor else {}
+    the mean (1.0: perfectly balanced; counted over the whole global batch), and where a layer caps
+    its experts (--capacity_factor) the share of token copies dropped."""
+    capped = any(getattr(m, "capacity_factor", None) for m in model.modules())
+    dropped = {"dropped_share": dropped_share(model)} if capped else {}
     return {"ep": ep_size, "expert_load": expert_load(model), **dropped}
 
 

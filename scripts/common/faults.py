@@ -2,9 +2,10 @@
 died (gloo's and DCP's messages read here), naming that peer where it can be known (common/peers.py,
 from the records of common/peer_records.py), the one line for a process group that could not connect
 because gloo listens on an interface the other nodes cannot reach, the line written for the
-launcher's failure table (TORCHELASTIC_ERROR_FILE), the traceback a rank that crashed keeps, and the
-grace a rank gives rank 0 to report a bad-input error. A training run imports it only when it fails
-(launch.run_main; launch.connect_deadline, when its process group cannot connect in time)."""
+launcher's failure table (TORCHELASTIC_ERROR_FILE), the traceback a rank that crashed keeps, the grace
+a rank gives rank 0 to report a bad-input error, and the line of a job a launcher ended (line_on_sigterm,
+evaluate.py's). A training run imports it only when it fails (launch.run_main; launch.connect_deadline,
+when its process group cannot connect in time)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import RunPosition
+from .errors import off_the_bar
 from .peer_records import interface_addresses
+from .run_state import RunPosition
 
 # How long a rank other than 0 waits, after a bad-input error, for rank 0 to report it.
 USAGE_ERROR_GRACE_S = 20.0
@@ -202,3 +204,19 @@ def keep_traceback(error: BaseException) -> None:
     except OSError:
         return
     print(f"rank {os.environ.get('RANK', '0')} failed; its traceback is kept in {path}", file=sys.stderr, flush=True)
+
+
+def line_on_sigterm() -> None:
+    """For a job with no preemption handler (evaluate.py): the launcher ends every process with SIGTERM when
+    one fails, which would end this one in silence; it says so in one line instead, naming a peer found gone."""
+
+    def ended(signum, frame):
+        line = (
+            f"error: {Path(sys.argv[0]).name} was ended by SIGTERM: a launcher ends every process when one fails"
+            f' (its "Root Cause" names that one), or the job was stopped.{_named_peers(RuntimeError())}'
+        )
+        print(off_the_bar() + line, file=sys.stderr, flush=True)
+        report_to_launcher(line)
+        os._exit(1)  # tearing the process group down could wait for the lost peer
+
+    signal.signal(signal.SIGTERM, ended)

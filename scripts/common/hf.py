@@ -89,7 +89,7 @@ def _model_folder(name: str, flag: str) -> Path:
     return folder
 
 
-def _read_config(spec: str, context: int | None):
+def read_config(spec: str, context: int | None):
     """--model_config: a JSON file, a folder / cached hub name with config.json, or a model type name (then
     with SMALL_DEFAULTS and `context` positions; None: not known yet). -> (config, source for describe)"""
     from huggingface_hub.errors import StrictDataclassError
@@ -233,7 +233,7 @@ def hf_context_length(args) -> int:
     model type's small defaults."""
     block = getattr(args, "block_size", None)
     if getattr(args, "model_config", None):
-        config, source = _read_config(args.model_config, block)
+        config, source = read_config(args.model_config, block)
         if source.endswith("(small defaults)"):
             config = None  # its max_position_embeddings is what we make it
     else:
@@ -269,8 +269,8 @@ def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto", on_meta:
     # no padding mask runs is_causal=True (deterministic on CPU); no KV cache in training
     build = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     if spec:
-        config, source = _read_config(spec, max(seq_len, getattr(args, "block_size", None) or SMALL_CONTEXT))
-        _check_causal_lm(config, f"--model_config {spec}")
+        config, source = read_config(spec, max(seq_len, getattr(args, "block_size", None) or SMALL_CONTEXT))
+        check_causal_lm(config, f"--model_config {spec}")
         # the built-in data is bytes: the model reads and predicts 256 ids; no special tokens among them
         config.vocab_size = BYTE_VOCAB
         config.pad_token_id = config.bos_token_id = config.eos_token_id = None
@@ -310,7 +310,7 @@ def load_hf_model(args, seq_len: int, data_task: str, tokenizer="auto", on_meta:
     what = f"--model_config {spec}" if spec else f"--model_name_or_path {name}"
     _check_loss_is_ours(model.config, what)
     _name_the_base_model(model)
-    units_path = _units_path(model, what)
+    units_path = find_units_path(model, what)
     check_vocab_fits(model, tokenizer)
     model.train()  # from_pretrained returns it in eval mode
     task = HFCausalLMTask(seq_len, data_task, model.config, source, tokenizer, units_path)
@@ -456,7 +456,7 @@ def _init_primitives_count_as_writes():
         hf_init.TORCH_INIT_FUNCTIONS.update(originals)
 
 
-def _writes_of_each_init(order: list, slots_of: dict, custom: bool) -> list:
+def writes_of_each_init(order: list, slots_of: dict, custom: bool) -> list:
     """For each (module, init) of `order`, the ids of the parameters and buffers its init writes: its own, and
     any of its children's (Qwen3-Next's MoE block initialises its router's weight; the router's own init
     does not). Found by running every init once on meta stand-ins (no memory; the RNG state is put back) and
@@ -497,7 +497,7 @@ def materialize_hf(model: nn.Module, task) -> None:
       first) from the seeded RNG, exactly as its initialize_weights gives: the same weights on every layout
       (not those from_config draws: its layers' own constructors draw from the RNG first). A module's init may
       write a child's tensor (Qwen3-Next's MoE block its router's weight): which it writes is found first
-      (_writes_of_each_init), and that tensor stays whole on the CPU until its last writer has run;
+      (writes_of_each_init), and that tensor stays whole on the CPU until its last writer has run;
     - pretrained: read from the safetensors files, only this rank's slice of each tensor (an init that would
       write one writes a meta stand-in, marked initialised as transformers marks loaded tensors).
     The rotary embeddings' buffers are computed by their init in both cases."""
@@ -542,7 +542,7 @@ def materialize_hf(model: nn.Module, task) -> None:
         qualified = f"{names[id(owner)]}.{name}".lstrip(".")
         if weights is not None and qualified in weights:
             from_file[i] = weights[qualified]
-    writes = _writes_of_each_init(order, slots_of, custom)
+    writes = writes_of_each_init(order, slots_of, custom)
     last_writer = {}  # tensor id -> the index in `order` after which its whole value is final
     for index, (module, _) in enumerate(order):
         for i in [id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]:
@@ -645,12 +645,12 @@ def _pretrained_config(name: str):
         raise UsageError(f"--model_name_or_path {name}: its config.json: {_config_error(e, None, None)}") from None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # a bad config.json, custom code ...
         raise UsageError(f"--model_name_or_path {name}: could not read its config ({_first_line(e)})") from None
-    _check_causal_lm(config, f"--model_name_or_path {name}")
+    check_causal_lm(config, f"--model_name_or_path {name}")
     _check_config(config, f"--model_name_or_path {name}")
     return folder, config
 
 
-def _check_causal_lm(config, what: str) -> None:
+def check_causal_lm(config, what: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if getattr(config, "is_encoder_decoder", False) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -671,7 +671,7 @@ def _name_the_base_model(model: nn.Module) -> None:
             model.base_model_prefix = bases[0]  # this instance's; the class keeps its own
 
 
-def _units_path(model: nn.Module, what: str) -> str:
+def find_units_path(model: nn.Module, what: str) -> str:
     """Where the decoder layers are, the units every strategy cuts at: the base model's ModuleList, e.g.
     "model.layers" (Llama, Qwen, Mistral, Gemma ...) or "gpt_neox.layers" (GPT-NeoX / Pythia). The family's
     base_model_pp_plan names its parts in order (embedding, layers, final norm): its ModuleList is taken

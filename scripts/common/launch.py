@@ -1,5 +1,7 @@
 """Launching a training run: the Accelerator with the CPU traps handled and the launch-trap checks,
-the process groups a run makes and ends, and `run_main`, which turns bad input into one line."""
+the process groups a run makes and ends (and what else its end releases: run_state.RELEASE_AT_END),
+`run_main`, which turns bad input into one line, and record_peers, the guard line that lets a rank that
+loses a peer name it."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from datetime import timedelta
 import torch
 from accelerate.utils import get_int_from_env
 
-from .errors import RELEASE_AT_END, NothingToDo, RunPosition, UsageError, off_the_bar
-from .peer_records import record_peers
+from .errors import NothingToDo, UsageError, off_the_bar
+from .run_state import RELEASE_AT_END, RunPosition
 
 # Where launchers put how many processes they started (torchrun WORLD_SIZE, mpirun PMI_SIZE ...):
 # get_int_from_env(WORLD_SIZE_VARS, 1), Accelerate's own reading of them.
@@ -110,13 +112,21 @@ def make_accelerator(args, cpu: bool | None = None, sharded: bool = False, **acc
             f"{accelerator.num_processes}): launch with accelerate launch --config_file "
             "accelerate_configs/cpu_multi.yaml"
         )
-    record_peers()  # who is who: a rank that loses a peer names it (faults.lost_peer_line)
     if sharded:  # the script applies its strategy itself, on a device mesh (common/sharded.py)
         from .sharded import check_sharded_launch, init_one_process_group
 
         check_sharded_launch(accelerator)
         init_one_process_group(accelerator)
     return accelerator
+
+
+def record_peers(accelerator) -> None:
+    """Collective: every rank learns who every rank is (rank, host, pid: common/peer_records.py), so that a rank
+    that loses a peer names it (faults.lost_peer_line). One process has no peer: nothing is gathered, or imported."""
+    if accelerator.num_processes > 1:
+        from .peer_records import gather_peer_records
+
+        gather_peer_records()
 
 
 def init_restart_safe_group(use_cpu: bool, timeout: timedelta) -> None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .errors import RELEASE_AT_END, UsageError
+from .errors import UsageError
+from .run_state import RELEASE_AT_END
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 FLAGS = {"pp": "--pp_size", "dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp_size"}

@@ -1,6 +1,6 @@
-"""train_localsgd.py's flags (add_localsgd_flags) and its refusals, one line each, before anything
-runs: the fusion flags (check_localsgd_flags), a launch or an Accelerator that shards the model
-(check_whole_replicas), more fragments than blocks (check_fragments_fit)."""
+"""train_localsgd.py's refusals, one line each, before anything runs: the fusion flags
+(check_localsgd_flags), a launch or an Accelerator that shards the model (check_whole_replicas), more
+fragments than blocks (check_fragments_fit)."""
 
 from __future__ import annotations
 
@@ -8,51 +8,6 @@ from accelerate import DistributedType
 
 from .errors import UsageError
 from .sharded import launcher_sharding
-
-HELP = {  # the help of train_localsgd.py's flags, beside the checks that hold them to it
-    "sync_every": "average the parameters every K optimizer steps (and at the end)",
-    "outer_optimizer": (
-        "how a fusion combines the replicas: average the parameters (Local SGD), or an outer SGD "
-        "step with Nesterov momentum on the averaged pseudo-gradient (DiLoCo)"
-    ),
-    "outer_lr": "DiLoCo: the outer SGD's learning rate",
-    "outer_momentum": "DiLoCo: the outer SGD's Nesterov momentum (0: none)",
-    "fragments": (
-        "Streaming DiLoCo: fuse the blocks in F fragments, fragment f at the steps = f*K/F (mod "
-        "K); F must divide K and be at most the number of blocks"
-    ),
-    "outer_dtype": ("dtype of the pseudo-gradient all-reduce (bf16: half the bytes; needs --outer_optimizer nesterov)"),
-    "overlap_steps": (
-        "DiLoCo: a fusion's all-reduce overlaps the next τ inner steps, then lands (0: every step "
-        "waits for it; at most --sync_every / --fragments)"
-    ),
-    "overlap_mix": (
-        "DiLoCo with --overlap_steps: a replica keeps this share of its own parameters when a "
-        "fusion lands (α; the rest is the fused model)"
-    ),
-    "save_rank_models": (
-        "every rank also saves its own model right before the final fusion, to "
-        "OUTPUT_DIR/rank_models/rank_<r> (for merge_checkpoints.py)"
-    ),
-}
-
-
-def add_localsgd_flags(parser):
-    """The fusion's flags, in their own group of the help; returns the group (the lesson adds
-    --sync_batchnorm to it)."""
-    g = parser.add_argument_group("Local SGD")
-    g.add_argument("--sync_every", type=int, default=8, help=HELP["sync_every"])
-    g.add_argument(
-        "--outer_optimizer", choices=["average", "nesterov"], default="average", help=HELP["outer_optimizer"]
-    )
-    g.add_argument("--outer_lr", type=float, default=0.7, help=HELP["outer_lr"])
-    g.add_argument("--outer_momentum", type=float, default=0.9, help=HELP["outer_momentum"])
-    g.add_argument("--fragments", type=int, default=1, help=HELP["fragments"])
-    g.add_argument("--outer_dtype", choices=["fp32", "bf16"], default="fp32", help=HELP["outer_dtype"])
-    g.add_argument("--overlap_steps", type=int, default=0, help=HELP["overlap_steps"])
-    g.add_argument("--overlap_mix", type=float, default=0.5, help=HELP["overlap_mix"])
-    g.add_argument("--save_rank_models", action="store_true", help=HELP["save_rank_models"])
-    return g
 
 
 def check_localsgd_flags(args) -> None:

@@ -1,6 +1,7 @@
 """What train_localsgd.py's fusions cost and how far apart its replicas are: the start line
 (fusion_line), the train records' spread (replica_spread, replicas) and the summary's figures
-(localsgd_summary). Each reads the lesson's ReplicaSync; byte counts by the ring formula."""
+(localsgd_summary), from the fragments, the flags and the fusions' record; byte counts by the ring
+formula."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ from .batchnorm import running_stats
 from .costs import replicated_summary, ring_allreduce_bytes
 
 
-def fragment_mib(replica_sync) -> list[float]:
+def fragment_mib(fragments: list, dp_size: int, outer_dtype: str) -> list[float]:
     """MiB each rank sends to fuse each fragment: a ring all-reduce of its flat buffer
     (--outer_dtype)."""
-    element_size = torch.empty((), dtype=replica_sync.outer_dtype).element_size()
+    element_size = 2 if outer_dtype == "bf16" else 4
     return [
-        ring_allreduce_bytes(sum(p.numel() for p in fragment) * element_size, replica_sync.dp_size) / 2**20
-        for fragment in replica_sync.fragments
+        ring_allreduce_bytes(sum(p.numel() for p in fragment) * element_size, dp_size) / 2**20 for fragment in fragments
     ]
 
 
@@ -25,18 +25,18 @@ def ddp_mib(n_params: int, dp_size: int) -> float:
     return ring_allreduce_bytes(4 * n_params, dp_size) / 2**20
 
 
-def fusion_line(replica_sync, args, n_params: int) -> str:
+def fusion_line(args, fragments: list, dp_size: int, n_params: int) -> str:
     """The start line: how the replicas are fused, and the bytes per fusion and per step against
     DDP's."""
     method = "DiLoCo" if args.outer_optimizer == "nesterov" else "Local SGD"
     where = f" in {args.fragments} fragments, each" if args.fragments > 1 else ""
     if args.overlap_steps:
         method += f" overlapping each fusion with {args.overlap_steps} steps (mix {args.overlap_mix})"
-    fusion_mib = fragment_mib(replica_sync)
+    fusion_mib = fragment_mib(fragments, dp_size, args.outer_dtype)
     return (
         f"{method}: fusing every {args.sync_every} steps{where}; {max(fusion_mib):.2f} MiB per "
         f"fusion and rank = {sum(fusion_mib) / args.sync_every:.3f} MiB per step (DDP: "
-        f"{ddp_mib(n_params, replica_sync.dp_size):.2f} MiB per step)"
+        f"{ddp_mib(n_params, dp_size):.2f} MiB per step)"
     )
 
 
@@ -45,49 +45,49 @@ def parameter_fingerprint(params) -> torch.Tensor:
     return sum((i + 1) * p.detach().double().sum() for i, p in enumerate(params))
 
 
-def replica_spread(accelerator, replica_sync) -> list[float]:
+def replica_spread(accelerator, model, fragments: list) -> list[float]:
     """How far apart the replicas are, per fragment (the last with BatchNorm's running statistics):
     the spread of their fingerprints over the ranks, 0 right after the fragment's fusion. Collective
     (one all-gather)."""
-    fragments = replica_sync.fragments
-    compared = [*fragments[:-1], fragments[-1] + running_stats(replica_sync.model)]
+    compared = [*fragments[:-1], fragments[-1] + running_stats(model)]
     fingerprints = torch.stack([parameter_fingerprint(fr) for fr in compared]).to(accelerator.device)
     gathered = accelerator.gather(fingerprints.reshape(1, -1))  # Accelerate: all-gather
     return (gathered.max(0).values - gathered.min(0).values).tolist()
 
 
-def replicas(accelerator, replica_sync, fused: list[int]) -> dict:
+def replicas(accelerator, model, fragments: list, fused: list[int]) -> dict:
     """What a train record adds: whether the step ended with a fusion (which fragments), and the
     spread of the replicas (parameters and BatchNorm statistics). Collective."""
-    spread = replica_spread(accelerator, replica_sync)
+    spread = replica_spread(accelerator, model, fragments)
     record = {"fused": bool(fused), "param_spread": max(spread)}
-    if len(replica_sync.fragments) > 1:
+    if len(fragments) > 1:
         record |= {"fused_fragments": fused, "fragment_spread": spread}
     return record
 
 
-def localsgd_summary(accelerator, replica_sync, args, steps: int, n_params: int) -> dict:
+def localsgd_summary(accelerator, args, fragments: list, record, steps: int, n_params: int) -> dict:
     """Collective: what the summary records: the replicated run's figures (no gradient all-reduce:
     the fusions instead), the fusion settings, the fusions and the bytes they moved (measured calls
     and buffers; per rank by the ring formula), and what DDP would have sent."""
-    fusion_mib = fragment_mib(replica_sync)
-    fused_mib = sum(fusion_mib[f] * n for f, n in enumerate(replica_sync.fusions))
-    counted = replica_sync.counter.report().get("all_reduce", {"calls": 0, "mib": 0.0})
-    per_step_ddp = ddp_mib(n_params, replica_sync.dp_size)
+    dp_size = accelerator.num_processes
+    fusion_mib = fragment_mib(fragments, dp_size, args.outer_dtype)
+    fused_mib = sum(fusion_mib[f] * n for f, n in enumerate(record.fusions))
+    counted = record.counter.report().get("all_reduce", {"calls": 0, "mib": 0.0})
+    per_step_ddp = ddp_mib(n_params, dp_size)
     return replicated_summary(accelerator, n_params, 0.0) | {
         "sync_every": args.sync_every,
         "outer_optimizer": args.outer_optimizer,
         "fragments": args.fragments,
         "outer_dtype": args.outer_dtype,
-        "overlap_steps": replica_sync.overlap_steps,
-        "overlap_mix": replica_sync.overlap_mix,
-        "fusion_wait_s": round(replica_sync.wait_s, 3),  # DiLoCo: the steps' time spent waiting for a fusion
-        "fusions": sum(replica_sync.fusions),
-        "fusions_per_fragment": replica_sync.fusions,
+        "overlap_steps": args.overlap_steps,
+        "overlap_mix": args.overlap_mix,
+        "fusion_wait_s": round(record.wait_s, 3),  # DiLoCo: the steps' time spent waiting for a fusion
+        "fusions": sum(record.fusions),
+        "fusions_per_fragment": record.fusions,
         "fusion_allreduce_calls": counted["calls"],
         "fusion_allreduce_buffer_mib": round(counted["mib"], 4),
         "fusion_mib_per_rank": round(fused_mib, 4),
         "peak_fusion_mib_per_rank": round(max(fusion_mib), 4),
         "allreduce_mib_per_step_per_rank": round(fused_mib / max(1, steps), 5),
-        "ddp_allreduce_mib_per_step_per_rank": round(per_step_ddp, 4) if replica_sync.dp_size > 1 else 0.0,
+        "ddp_allreduce_mib_per_step_per_rank": round(per_step_ddp, 4) if dp_size > 1 else 0.0,
     }

@@ -1,5 +1,6 @@
 """What a run measures and writes: metrics.jsonl and the progress bar (RunMonitor), the cadence of
-records, evaluations and checkpoints, throughput and MFU over training-step time."""
+records, evaluations and checkpoints. Throughput and MFU: common/throughput.py; the first lines:
+common/banner.py."""
 
 from __future__ import annotations
 
@@ -13,23 +14,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .banner import start_lines
 from .errors import UsageError
-
-# Dense bf16 peak FLOP/s of common accelerators, for MFU; CPUs have no reliable figure (use --peak_flops).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
-PEAK_FLOPS |= {"V100": 125e12, "T4": 65e12}
-
-
-def peak_flops(device: torch.device, override: float | None) -> float | None:
-    if override or device.type != "cuda":
-        return override
-    return next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (nothing to wait for on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .throughput import Throughput, peak_flops, synchronize
 
 
 class MetricsWriter:  # metrics.jsonl, one JSON object a line, from the main process
@@ -62,34 +49,6 @@ class MetricsWriter:  # metrics.jsonl, one JSON object a line, from the main pro
             ) from None
 
 
-class Throughput:
-    """Tokens/s (or samples/s) and MFU over training-step time only: per report window, and in all."""
-
-    def __init__(self, flops_per_item: float | None, peak: float | None, unit: str = "tokens"):
-        self.flops_per_item, self.peak, self.unit = flops_per_item, peak, unit
-        self.window = [0, 0.0]  # tokens, seconds since the last report
-        self.total = [0, 0.0]
-
-    def add(self, tokens: int, seconds: float) -> None:
-        for acc in (self.window, self.total):
-            acc[0] += tokens
-            acc[1] += seconds
-
-    def _figures(self, items: int, seconds: float, world_size: int) -> dict:
-        per_sec = items / max(seconds, 1e-9)
-        known = self.peak and self.flops_per_item
-        mfu = per_sec * self.flops_per_item / (self.peak * world_size) if known else None
-        return {f"{self.unit}_per_sec": round(per_sec, 1), "mfu": None if mfu is None else round(mfu, 4)}
-
-    def report(self, world_size: int) -> dict:
-        figures = self._figures(*self.window, world_size)
-        self.window = [0, 0.0]
-        return figures
-
-    def summary(self, world_size: int) -> dict:
-        return {**self._figures(*self.total, world_size), "train_time_s": round(self.total[1], 2)}
-
-
 class RunMonitor:
     """Watches the run for the training loop: its cadence (which steps log, evaluate, checkpoint), the
     step timers and throughput, metrics.jsonl, Accelerate's trackers, the progress bar. It runs no
@@ -110,35 +69,14 @@ class RunMonitor:
     def start(
         self, task, model_line: str, n_params: int, data, strategy_lines: list[str], resume_path=None, layout=None
     ) -> None:
-        """Print the run's first lines (who runs, the model, the data, the global batch, what the strategy
-        costs, where a resumed run starts), then open the progress bar."""
+        """Print the run's first lines (common/banner.py), then open the progress bar."""
         acc, args = self.accelerator, self.args
         self.layout = layout
         tokens = task.tokens_per_sample
         self.tokens_per_step = self.global_batch_size * (tokens or 1)
         self.unit = "tokens" if tokens else "samples"
         self.throughput = Throughput(task.flops_per_item(n_params), peak_flops(acc.device, args.peak_flops), self.unit)
-        of_tokens = f" of {tokens} tokens" if tokens else ""
-        dp = self.global_batch_size // (args.batch_size * args.gradient_accumulation_steps)
-        lines = [
-            f"{self.name}: {self.world_size} process(es) on {acc.device} ({acc.distributed_type}), "
-            f"mixed precision {acc.mixed_precision}"
-        ]
-        if layout is not None:
-            lines.append(layout.table())
-        lines += [
-            f"  {model_line}",
-            f"  data {getattr(data, 'name', 'data')}: {len(data.train)} train / "
-            f"{len(data.validation)} validation samples{of_tokens}",
-            f"  global batch = {args.batch_size} per data-parallel rank x {dp} dp ranks "
-            f"x {args.gradient_accumulation_steps} accumulation = {self.global_batch_size} samples",
-            *(f"  {line}" for line in strategy_lines if line),  # None: a line that does not apply
-        ]
-        if getattr(task, "lora", None):  # LoRA: what trains, and what this rank holds (common/lora.py)
-            lines.append(f"  {task.lora['line'](task.lora['model'], args.optimizer)}")
-        if resume_path:
-            lines.append(f"  resuming from {resume_path} at step {self.start_step}")
-        acc.print("\n".join(lines))  # Accelerate: prints on the main process only
+        acc.print(start_lines(self, task, model_line, data, strategy_lines, resume_path))  # Accelerate: main only
         # main process only; to a log file (no terminal) a redraw every 30 s, not every step
         shown = {"disable": not acc.is_main_process, "mininterval": 0.1 if sys.stderr.isatty() else 30}
         self.bar = tqdm(total=args.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True, **shown)

@@ -1,8 +1,8 @@
-"""Who every rank is (rank, host, pid, ...): gathered once at set-up by record_peers
-(launch.make_accelerator), so that a rank that loses a peer names it (common/peers.py, through
-faults.lost_peer_line) from these records and from /proc, with no collective (they are broken by
-then) and no network. Each network interface's address (interface_addresses): its own record's, and
-faults' line for a process group that cannot connect."""
+"""Who every rank is (rank, host, pid, ...): gathered once at set-up (gather_peer_records, started by
+the script's launch.record_peers line on more than one process), so that a rank that loses a peer
+names it (common/peers.py, through faults.lost_peer_line) from these records and from /proc, with no
+collective (they are broken by then) and no network. Each network interface's address
+(interface_addresses): its own record's, and faults' line for a process group that cannot connect."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-PEERS: list[dict] = []  # every rank's record, in rank order (record_peers)
+PEERS: list[dict] = []  # every rank's record, in rank order (gather_peer_records)
 
 
 def _namespace(kind: str) -> str | None:
@@ -27,7 +27,7 @@ def _namespace(kind: str) -> str | None:
         return None
 
 
-def _proc_stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
     """/proc/<pid>/stat's fields from the third (the state) on; None where no such process is left."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
@@ -38,7 +38,7 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 def this_process() -> dict:
     """This rank's record: who it is and where, as its peers will look for it."""
-    stat = _proc_stat(os.getpid())
+    stat = proc_stat(os.getpid())
     return {
         "rank": torch.distributed.get_rank(),
         "host": socket.gethostname(),
@@ -50,7 +50,7 @@ def this_process() -> dict:
     }
 
 
-def record_peers() -> None:
+def gather_peer_records() -> None:
     """Every rank learns every rank's record: one small all_gather at set-up, nothing per step."""
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         gathered = [None] * torch.distributed.get_world_size()

@@ -1,20 +1,19 @@
 """Which peer a rank lost (faults.lost_peer_line's sentence), from the records every rank gathered at
 set-up (peer_records.PEERS) and /proc: with no collective (they are broken by then) and no network. Imported
-only by a run that lost a peer, and by evaluate.py (line_on_sigterm)."""
+only by a run that lost a peer, or that a launcher ended (faults.line_on_sigterm)."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from . import faults, peer_records
-from .errors import RunPosition, off_the_bar
+from . import peer_records
+from .run_state import RunPosition
 
 SURVIVOR_MARK = "survivor_rank{rank}.pid"  # in OUTPUT_DIR/logs: a rank that saw a lost peer, not a lost one
 
@@ -49,14 +48,14 @@ def _settled_stat(pid: int) -> list[str] | None:
     """/proc/<pid>/stat's fields, waiting up to a second for a process being ended to become a zombie: the
     kernel closes its sockets (how its peers learn it died) before it records how the process ended."""
     for _ in range(100):
-        stat = peer_records._proc_stat(pid)
+        stat = peer_records.proc_stat(pid)
         if stat is None or stat[0] in "ZX" or not int(stat[6]) & PF_EXITING:
             return stat
         time.sleep(0.01)
     return stat
 
 
-def _state_of(peer: dict) -> tuple[str, str] | None:
+def state_of(peer: dict) -> tuple[str, str] | None:
     """What /proc says of a peer's process: ("gone", how, where it is not reaped yet), ("stopped", ""), or None
     (running or waiting: it may be a survivor still writing its own line)."""
     stat = _settled_stat(peer["pid"])
@@ -94,7 +93,7 @@ def _peer_sentences(error: BaseException) -> str:
     for peer in every:
         if peer is me or not beside or peer["pid_space"] != me["pid_space"]:
             continue
-        state = _state_of(peer)  # read before the mark: a survivor marks itself before it exits
+        state = state_of(peer)  # read before the mark: a survivor marks itself before it exits
         if state is None or (state[0] == "gone" and (logs is None or _left_as_survivor(logs, peer))):
             continue
         named.add(peer["rank"])
@@ -120,19 +119,3 @@ def _peer_sentences(error: BaseException) -> str:
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {', '.join(ranks)}"
             sentences.append(f" Gloo's peer {address[1]} is {who} (host {holders[0]['host']}).")
     return "".join(sentences)
-
-
-def line_on_sigterm() -> None:
-    """For a job with no preemption handler (evaluate.py): the launcher ends every process with SIGTERM when
-    one fails, which would end this one in silence; it says so in one line instead, naming a peer found gone."""
-
-    def ended(signum, frame):
-        line = (
-            f"error: {Path(sys.argv[0]).name} was ended by SIGTERM: a launcher ends every process when one fails"
-            f' (its "Root Cause" names that one), or the job was stopped.{named_peers(RuntimeError())}'
-        )
-        print(off_the_bar() + line, file=sys.stderr, flush=True)
-        faults.report_to_launcher(line)
-        os._exit(1)  # tearing the process group down could wait for the lost peer
-
-    signal.signal(signal.SIGTERM, ended)

@@ -1,6 +1,8 @@
-"""Pipeline arithmetic: which units each stage holds, which stages each rank holds, the bubble, and
-the pipeline flags. Model-agnostic and free of torch.distributed.pipelining, so that the planner
-(plan_layout.py) costs a layout with the same rules the training scripts run it with.
+"""The pipeline's stage split: which units each stage holds (stage_layers), which stages each rank holds
+(stages_of_rank), and the pipeline flags parsed (parse_pipeline_flags). Model-agnostic and free of
+torch.distributed.pipelining, so that the planner (plan_layout.py) costs a layout with the same rules
+the training scripts run it with. What a pipeline costs is common/pp_costs.py's, its refusals
+common/pp_checks.py's.
 
 The model's repeated units (Task.units: blocks, decoder layers) are cut into pp x v stages,
 balanced by count (earlier stages take the remainder) or before each index of --split_points.
@@ -16,12 +18,7 @@ Looped placement: rank r holds stages r, r + pp, r + 2pp ... (what the interleav
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .errors import UsageError
-
-if TYPE_CHECKING:
-    from .layout import Layout
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several stages per rank
@@ -44,29 +41,6 @@ def stages_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int
     """Looped placement: rank r holds stages r, r + pp, r + 2pp ... (what the interleaved
     schedules expect)."""
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
-
-
-def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
-    """Idle fraction of GPipe/1F1B: (p-1)/(m+p-1); interleaving v stages per rank divides the
-    bubble's length by v: (p-1)/(v*m+p-1)."""
-    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
-
-
-def add_pipeline_args(parser):
-    g = parser.add_argument_group("pipeline parallel")
-    g.add_argument("--schedule", default="1f1b", help=f"pipeline schedule: {' | '.join(SCHEDULES)}")
-    g.add_argument("--n_microbatches", type=int, default=4, help="micro-batches each --batch_size is split into")
-    g.add_argument(
-        "--stages_per_rank",
-        type=int,
-        help="stages each rank holds (default: 2 for interleaved_1f1b and zero_bubble, else 1)",
-    )
-    g.add_argument(
-        "--split_points",
-        help="comma-separated unit (layer) indices where a new stage begins, e.g. 1,3 (default: balance the units "
-        "by count)",
-    )
-    return g
 
 
 def parse_pipeline_flags(args) -> None:
@@ -94,43 +68,3 @@ def parse_pipeline_flags(args) -> None:
             ) from None
     else:
         args.split_points = None
-
-
-def check_pipeline_layout(layout: Layout, n_units: int, args, units_name: str = "repeated units") -> None:
-    """The pipeline flags against the layout (pipeline ranks) and the model (its `n_units` repeated
-    units, `units_name` saying what they are): every stage gets a unit, the batch splits into the
-    micro-batches, the schedule has enough micro-batches in flight."""
-    n_stages = layout.pp * args.stages_per_rank
-    if n_stages > n_units:
-        raise UsageError(
-            f"--pp_size {layout.pp} x --stages_per_rank {args.stages_per_rank} = {n_stages} stages, but the model "
-            f"has {n_units} units ({units_name}): every stage needs at least one; use fewer stages or a model with "
-            "more units"
-        )
-    if args.batch_size % args.n_microbatches:
-        raise UsageError(
-            f"--batch_size {args.batch_size} cannot be split into --n_microbatches {args.n_microbatches} equal "
-            "micro-batches: use a batch size divisible by it"
-        )
-    if args.gradient_accumulation_steps != 1:
-        raise UsageError(
-            "--gradient_accumulation_steps: the pipeline already accumulates over its micro-batches; raise "
-            "--batch_size and --n_microbatches instead (and keep accumulation 1)"
-        )
-    if args.split_points is not None:
-        points = args.split_points
-        if len(points) != n_stages - 1 or points != sorted(set(points)) or points[0] <= 0 or points[-1] >= n_units:
-            raise UsageError(
-                f"--split_points {','.join(map(str, points))}: {n_stages} stages need {n_stages - 1} increasing "
-                f"unit indices between 1 and {n_units - 1}"
-            )
-    if layout.pp > 1 and args.schedule != "gpipe" and args.n_microbatches < layout.pp:
-        raise UsageError(
-            f"--n_microbatches {args.n_microbatches} is fewer than the {layout.pp} pipeline ranks: --schedule "
-            f"{args.schedule} needs at least one micro-batch per rank in flight (raise --n_microbatches, or use gpipe)"
-        )
-    if args.schedule in MULTI_STAGE_SCHEDULES and args.n_microbatches % layout.pp:
-        raise UsageError(
-            f"--n_microbatches {args.n_microbatches}: --schedule {args.schedule} needs a multiple of the "
-            f"{layout.pp} pipeline ranks"
-        )

@@ -1,8 +1,7 @@
-"""What a pipeline costs: the start lines (the stages, the schedule, the bubble in theory) and what
-the schedule measures on each rank (TimedStage, ScheduleMeter): the time it computes, the
-micro-batches whose activations it holds at once, the bytes autograd saves for one of them; the
-summary's figures. And the base of the lesson's PipelineStep (PipelineStepBase): the schedule run
-forward only, for evaluation, and its figures for the summary.
+"""What a pipeline costs: the bubble in theory (bubble_theory), the start lines (the stages, the
+schedule, the bubble), and what the schedule measures on this rank (ScheduleMeter, held by the
+lesson's PipelineStep beside torch's PipelineStages): the time they compute, the micro-batches whose
+activations they hold at once, the bytes autograd saves for one of them; the summary's figures.
 """
 
 from __future__ import annotations
@@ -12,13 +11,18 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from .pipeline import bubble_theory, stage_layers
+from .pipeline import stage_layers
 
 if TYPE_CHECKING:
     from .layout import Layout
+
+
+def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction of GPipe/1F1B: (p-1)/(m+p-1); interleaving v stages per rank divides the
+    bubble's length by v: (p-1)/(v*m+p-1)."""
+    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
 
 
 def pipeline_start_lines(layout: Layout, n_units: int, args) -> list[str]:
@@ -35,92 +39,76 @@ def pipeline_start_lines(layout: Layout, n_units: int, args) -> list[str]:
     return [pipeline_line, bubble_line]
 
 
-class TimedStage(PipelineStage):
-    """torch's PipelineStage, measuring what the schedule costs this rank: the time it computes
-    (forward, backward, weight gradients), the most micro-batches whose activations it holds at
-    once, and the bytes autograd saves for one micro-batch's backward."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.activation_bytes = None  # measured once, at the first forward with gradients
-        self.reset_counters()
-
-    def reset_counters(self) -> None:
-        self.busy_s, self.max_in_flight = 0.0, 0
-
-    def forward_one_chunk(self, *args, **kwargs):
-        start = time.perf_counter()
-        measure = self.activation_bytes is None and torch.is_grad_enabled()
-        storages: dict[int, int] = {}
-
-        def pack(t):  # every tensor autograd keeps for backward, each storage counted once
-            local = t.to_local() if isinstance(t, DTensor) else t
-            try:
-                storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-            except RuntimeError:  # no storage of its own (a wrapper subclass): its size
-                storages[id(t)] = local.numel() * local.element_size()
-            return t
-
-        try:
-            if measure:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    return super().forward_one_chunk(*args, **kwargs)
-            return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - start
-            if torch.is_grad_enabled():
-                self.max_in_flight = max(self.max_in_flight, len(self.fwd_cache))
-            if measure:
-                self.activation_bytes = sum(storages.values())
-
-    def backward_one_chunk(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - start
-
-    def backward_weight_one_chunk(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return super().backward_weight_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - start
-
-
 class ScheduleMeter:
-    """This rank's TimedStages over the run: the time they computed against the steps' time (the
-    measured bubble), the most micro-batches in flight; the summary's figures per pipeline rank."""
+    """What the schedule costs this rank, measured on the PipelineStages it runs: the time they compute
+    (forward, backward, weight gradients), the most micro-batches whose activations they hold at once,
+    the bytes autograd saves for one micro-batch's backward; over the run, that time against the steps'
+    time (the measured bubble). It times each stage's three compute calls on the stage object itself
+    (forward_one_chunk, backward_one_chunk, backward_weight_one_chunk): the stages stay torch's own,
+    and a step without a meter trains the same."""
 
-    def __init__(self, stages: list[TimedStage]):
-        self.stages = stages
-        self.busy_s = self.step_s = 0.0
+    def __init__(self, stages: list, accelerator, layout: Layout):
+        self.stages, self.accelerator, self.layout = stages, accelerator, layout
+        self.busy_s = self.step_s = self.step_busy_s = 0.0
         self.max_in_flight, self.steps = 0, 0
+        self.activation_bytes = [None] * len(stages)  # each stage's, at its first forward with gradients
+        for k, stage in enumerate(stages):
+            self.time_compute(stage, k)
+
+    def time_compute(self, stage, k: int) -> None:
+        """Wrap stage `k`'s compute calls, on the instance, with this meter's timer."""
+
+        def clocked(call):
+            def run(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    self.step_busy_s += time.perf_counter() - start
+
+            return run
+
+        forward = clocked(stage.forward_one_chunk)
+
+        def timed_forward(*args, **kwargs):
+            if self.activation_bytes[k] is not None or not torch.is_grad_enabled():
+                output = forward(*args, **kwargs)
+            else:  # the first forward with gradients: the bytes autograd keeps for its backward
+                storages: dict[int, int] = {}
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: count_storage(t, storages), lambda t: t):
+                    output = forward(*args, **kwargs)
+                self.activation_bytes[k] = sum(storages.values())
+            if torch.is_grad_enabled():  # the micro-batches whose activations wait for their backward
+                self.max_in_flight = max(self.max_in_flight, len(stage.fwd_cache))
+            return output
+
+        stage.forward_one_chunk = timed_forward
+        stage.backward_one_chunk = clocked(stage.backward_one_chunk)
+        stage.backward_weight_one_chunk = clocked(stage.backward_weight_one_chunk)
 
     @contextmanager
     def timed(self):
         """Around one step's schedule.step."""
-        for stage in self.stages:
-            stage.reset_counters()
+        self.step_busy_s = 0.0
         start = time.perf_counter()
         yield
         if self.steps > 0:  # the first step also sets up the stages: not in the bubble
             self.step_s += time.perf_counter() - start
-            self.busy_s += sum(stage.busy_s for stage in self.stages)
-        self.max_in_flight = max([self.max_in_flight, *(stage.max_in_flight for stage in self.stages)])
+            self.busy_s += self.step_busy_s
         self.steps += 1
 
-    def summary(self, accelerator, layout: Layout, args) -> dict:
+    def summary(self, args) -> dict:
         """Per stage (pipeline rank): measured bubble, micro-batches in flight, activation memory;
         beside the theory. Collective (a gather)."""
+        layout = self.layout
         busy = self.busy_s / self.step_s if self.step_s else -1.0
-        act = max((stage.activation_bytes or 0) for stage in self.stages)
+        act = max((n or 0) for n in self.activation_bytes)
         row = torch.tensor(
             [layout.pp_rank, busy, self.max_in_flight, act, act * self.max_in_flight],
             dtype=torch.float64,
-            device=accelerator.device,
+            device=self.accelerator.device,
         )
-        rows = accelerator.gather(row[None]).cpu()  # Accelerate: all-gather
+        rows = self.accelerator.gather(row[None]).cpu()  # Accelerate: all-gather
         per_stage = {int(r[0]): r for r in rows}  # one rank per pipeline position
         ranks = sorted(per_stage)
         return {
@@ -137,25 +125,11 @@ class ScheduleMeter:
         }
 
 
-class PipelineStepBase:
-    """What the lesson's PipelineStep (train_pp.py, and train_hybrid.py's) does besides its training
-    step: forward only through the schedule, for evaluate() (predict), and the figures of the
-    schedule it ran, for the summary. It reads what PipelineStep sets: accelerator, layout,
-    schedule, has_first, has_last, scoring, loss_context, meter (its ScheduleMeter)."""
-
-    def predict(self, *inputs):
-        """Forward only (evaluate's `predict`): the last stage gets the whole batch's outputs, the
-        others None. The schedule's loss_fn scores nothing; the first input stands in for targets."""
-        target = inputs[0] if self.has_last else None
-        inputs = tuple(x for x in inputs if x is not None) if self.has_first else ()  # no None mask
-        self.scoring = False
-        try:
-            with self.loss_context():
-                outputs = self.schedule.eval(*inputs, target=target)
-        finally:
-            self.scoring = True
-        return outputs if self.has_last else None
-
-    def summary(self, args) -> dict:
-        """Per pipeline rank: the measured bubble, micro-batches in flight, activation memory."""
-        return self.meter.summary(self.accelerator, self.layout, args)
+def count_storage(t: torch.Tensor, storages: dict) -> torch.Tensor:
+    """A saved-tensors hook: every tensor autograd keeps for backward, each storage counted once."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    try:
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    except RuntimeError:  # no storage of its own (a wrapper subclass): its size
+        storages[id(t)] = local.numel() * local.element_size()
+    return t

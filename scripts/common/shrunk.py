@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .cut_check import SHRUNKEN, ShrunkenChecked
-from .errors import RunPosition, UsageError
+from .errors import UsageError
+from .run_state import RunPosition
 
 HEAD = 8  # the shrunken copy's width per attention head
 WIDTHS = ("hidden_size", "n_embd", "d_model")  # the model's width, by the names families give it
@@ -33,6 +33,11 @@ FFN = ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim")  # 2 x widt
 EXPERT_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size")  # 32: many experts stay small
 RANKS = ("q_lora_rank", "kv_lora_rank")  # low-rank projections (DeepSeek's MLA): 2 heads' width
 DROPPED = ("--output_dir", "--resume_from_checkpoint", "--model_name_or_path", "--model_config", "--report_to")
+
+
+class ShrunkenChecked(Exception):
+    """Raised by check_cut in a shrunken copy's run (RunPosition.shrunken_copy), with its start line: that run
+    stops there."""
 
 
 def shrunk_layers(n_layers: int) -> int:
@@ -95,7 +100,7 @@ def check_shrunken_copy(model, task, n_bytes: int) -> str:
     words = f"on a shrunken copy, {flags[1]}: the whole model is too large for one rank"
     sys.argv = _without(argv[1:], DROPPED) + flags[0] + ["--output_dir", str(folder), "--overwrite_output_dir"]
     sys.argv.insert(0, argv[0])
-    SHRUNKEN.append(words)
+    RunPosition.shrunken_copy = words
     start = time.perf_counter()
     try:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
@@ -104,7 +109,7 @@ def check_shrunken_copy(model, task, n_bytes: int) -> str:
     except ShrunkenChecked as done:
         return f"{done} (its run {time.perf_counter() - start:.1f} s)"
     finally:
-        sys.argv, SHRUNKEN[:] = argv, []
+        sys.argv, RunPosition.shrunken_copy = argv, None
         for key, value in kept.items():
             setattr(RunPosition, key, value)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:

@@ -1,16 +1,20 @@
 """train_tp.py's refusals, one line each, before anything is cut: a plan that does not fit the model or
 leaves a flag nothing to act on (check_tp_plan), a layout that is not TP only (check_tp_layout), flags
-the layout or the data cannot serve (check_tp_flags). And the help of train_tp.py's flags (HELP).
+the layout or the data cannot serve (check_tp_flags).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING
 
+import torch
 import torch.nn as nn
-from torch.distributed.tensor import Shard
+from accelerate.utils import send_to_device
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+from torch.utils.data import default_collate
 
 from .errors import UsageError
 
@@ -18,13 +22,6 @@ if TYPE_CHECKING:  # annotations only: the layout module is not needed to run th
     from .layout import Layout
 
 WHERE = "in the MODEL section of train_tp.py (docs/your-model.md)"
-HELP = {  # the help of train_tp.py's flags, beside the checks that hold them to it
-    "tp_size": "ranks per TP group: all processes (-1, or their number); data parallel beside TP is train_hybrid.py's",
-    "sequence_parallel": (
-        "shard LayerNorm/dropout activations along the sequence (all-gather + reduce-scatter instead of all-reduce)"
-    ),
-    "loss_parallel": "compute the cross-entropy on vocabulary-sharded logits, never gathering them",
-}
 
 
 def check_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -59,6 +56,96 @@ def check_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool, loss_pa
         )
 
 
+def check_gpt_plan(model: nn.Module, task, tp: int) -> None:
+    """The built-in GPT's plan (train_tp.py's tensor_parallel_plan) names the GPT's modules: a model of
+    one's own whose plan is not written yet (model_tp_plan still ends in the GPT's) is refused in one
+    line; the GPT's: TP divides its heads, MLP width and vocabulary (check_gpt_split)."""
+    from .presets import GPTConfig, check_gpt_split  # the GPT's own run has them imported already
+
+    gpt_parts = all(hasattr(model, part) for part in ("tok_emb", "blocks", "lm_head"))  # what its plan names
+    if not gpt_parts or not isinstance(getattr(task, "cfg", None), GPTConfig):
+        raise UsageError(
+            f"train_tp.py cuts the model by its TP plan, and {type(model).__name__} has none yet: model_tp_plan "
+            "still returns the built-in GPT's (tensor_parallel_plan); write your model's plan there, {module name: "
+            "ColwiseParallel() or RowwiseParallel()}, in place of its last two lines, in the MODEL section at the "
+            f'top of train_tp.py (docs/tp.md, "A plan not written yet"; {_what_the_model_has(model, "")}), '
+            "or train it with train_fsdp.py"
+        )
+    check_gpt_split(task.cfg, tp)
+
+
+@torch.no_grad()
+def check_plan_forward(model: nn.Module, plan: dict, task, validation, device, context=None) -> None:
+    """After the cut, before the contract check: one forward of 2 validation samples (eval mode, no gradients).
+    An error raised after a column-wise entry's layer returned, before the next layer the plan names began,
+    comes from the code that reads that layer's outputs: it expected them whole, and each rank holds 1/tp of
+    them. The typical case is a fused projection (timm's qkv: q, k and v in one weight) cut column-wise, whose
+    first 1/tp columns are not heads but q and part of k. One line naming the entry; an error anywhere else
+    is check_task_contract's to say. `context`: what the forward runs in (train_hybrid.py's CP: whole sequences)."""
+    local = {key for key, style in plan.items() if _cuts_outputs(style)}
+    named = {name: m for name, m in model.named_modules() if name and any(key_matches(k, name) for k in plan)}
+    if not local or len(validation) < 2:
+        return
+    after = [None]  # the column-wise layer whose outputs the code now running reads
+
+    def began(*_):
+        after[0] = None
+
+    hooks = [m.register_forward_pre_hook(began) for m in named.values()]
+    for name, m in named.items():
+        if any(key_matches(k, name) for k in local):
+            hooks.append(m.register_forward_hook(lambda *_, name=name: after.__setitem__(0, name)))
+    batch = send_to_device(default_collate([validation[i] for i in range(2)]), device)
+    was_training = model.training
+    model.eval()
+    try:
+        with context or nullcontext():
+            model(*task.inputs(batch))
+    except Exception as e:
+        if after[0] is None or isinstance(e, (UsageError, torch.distributed.DistBackendError)):
+            return  # not the plan's: check_task_contract says it
+        raise UsageError(_cut_outputs_line(after[0], named[after[0]], plan, e)) from None
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+        for module in model.modules():  # FSDP (train_hybrid.py) keeps a root gathered after forward
+            if hasattr(module, "reshard") and hasattr(module, "set_requires_gradient_sync"):
+                module.reshard()
+
+
+def _cuts_outputs(style) -> bool:
+    """A column-wise style whose layer hands the code after it a local shard of its outputs."""
+    return (
+        isinstance(style, ColwiseParallel)
+        and style.use_local_output
+        and any(isinstance(layout, Shard) for layout in style.output_layouts)
+    )
+
+
+def _cut_outputs_line(name: str, module: nn.Module, plan: dict, error: Exception) -> str:
+    key = next(k for k in plan if key_matches(k, name) and _cuts_outputs(plan[k]))
+    layer = f"its {type(module).__name__}" if key == name else f"the {type(module).__name__} {name}"
+    weight = getattr(module, "weight", None)
+    n_out, n_in = (weight.shape[0], weight.shape[1]) if weight is not None and weight.dim() == 2 else (0, 0)
+    tp = weight.device_mesh.size() if isinstance(weight, DTensor) else 0
+    holds = f" (each of the {tp} ranks holds {n_out // tp} of its {n_out} outputs)" if tp and n_out else ""
+    raised = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+    whole = f"leave {name} whole (no entry for it, nor a row-wise one for the layer after it)"
+    if n_in and n_out % n_in == 0 and n_out // n_in > 1:  # q, k and v (or gate and up) in one weight
+        why = (
+            f"its {n_out} outputs are {n_out // n_in} x its {n_in} inputs, a fused projection (q, k and v in one "
+            f"weight?), and a rank's {n_out // max(tp, 1)} columns are not its share of each one's heads. Cut q, k "
+            f"and v into 3 layers, each ColwiseParallel, or {whole}"
+        )
+    else:
+        why = f"the code after it reads its outputs whole, not a slice of them. Cut another layer, or {whole}"
+    return (
+        f"the TP plan entry '{key}' cuts {layer} column-wise{holds}, and the forward then raised {raised}: {why}, "
+        'in model_tp_plan, the MODEL section of train_tp.py (docs/tp.md, "A fused projection")'
+    )
+
+
 def key_matches(key: str, name: str) -> bool:
     """parallelize_module's matching: one fnmatch pattern per dotted part."""
     parts, pattern = name.split("."), key.split(".")
@@ -81,9 +168,15 @@ def _what_the_model_has(model: nn.Module, key: str) -> str:
             break
         except AttributeError:
             continue
-    if not found:
+    if not found:  # the first container of units that hold modules of their own (timm's blocks: a Sequential)
+        containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
         units = next(
-            ((n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)), None
+            (
+                (n, m)
+                for n, m in model.named_modules()
+                if isinstance(m, containers) and len(m) and any(True for _ in next(iter(m.children())).children())
+            ),
+            None,
         )
         if units:
             first = next(iter(units[1].named_children()))

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from .errors import RunPosition
+from .run_state import RunPosition
 
 
 def compile_units(units, accelerator) -> None:

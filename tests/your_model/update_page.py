@@ -1,17 +1,19 @@
 #!/usr/bin/env python
-"""Rewrite the worked example's diffs and figures on docs/your-model.md and docs/zh/your-model.md after
-scripts/train_fsdp.py, scripts/train_tp.py or scripts/common/ changed (tests/test_your_model.py then
-fails: a diff no longer applies, or a figure is stale).
+"""Rewrite the worked examples' diffs and figures on docs/your-model.md (the first path),
+docs/your-model-reference.md and their Chinese editions after the lessons changed (tests/test_your_model.py,
+tests/test_batchnorm.py or tests/test_your_model_gru.py then fail: a diff no longer applies, or a figure is
+stale), and say which files of scripts/common/ the references' table misses or names in vain.
 
     python tests/your_model/update_page.py
 
-It makes the example's copies as the page describes them, from the scripts as they are now: the data
-line (`data = load_data(...)`) becomes the synthetic data, the model line (`model, task =
-language_model(args, data)`, with the comment lines right above it) becomes the regression model, and
-in train_tp.py the built-in GPT's plan (`check_gpt_split` and `return tensor_parallel_plan(...)`)
-becomes the regression's. Then it writes `diff -u` of each copy into both pages, the +/- figures per
-section, and the line counts of the scripts and of common/. What the runs print (the start lines, the
-evaluations, the error lines) is not rewritten: run the copies to check those (the page says how)."""
+It makes the examples' copies as the pages describe them, from the lessons as they are now: the flags'
+add_builtin_flags lines are dropped, the data line (`data = load_data(...)`) becomes the example's data, the
+model line (`model, task = language_model(args, data)`) the example's model, and in train_tp.py the built-in
+GPT's plan (its last two lines: `check_gpt_...` and `return tensor_parallel_plan(...)`) the regression's. Then
+it writes `diff -u` of each copy into whichever page holds it (a ```diff block headed by its label), and the
++/- figures per section into the tables' rows. The pages hold no line counts (they go stale). What the runs
+print (the start lines, the evaluations, the error lines) is not rewritten: run the copies to check those
+(the pages say how)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
-PAGES = {"en": REPO / "docs" / "your-model.md", "zh": REPO / "docs" / "zh" / "your-model.md"}
-SCRIPT_NAMES = ("train_fsdp.py", "train_tp.py")
+DOCS = REPO / "docs"
+# (language, page): the first path holds the regression's module and train_ddp.py's diff, the reference the rest
+PAGES = {
+    ("en", "first"): DOCS / "your-model.md",
+    ("en", "reference"): DOCS / "your-model-reference.md",
+    ("zh", "first"): DOCS / "zh" / "your-model.md",
+    ("zh", "reference"): DOCS / "zh" / "your-model-reference.md",
+}
+SCRIPT_NAMES = ("train_ddp.py", "train_fsdp.py", "train_tp.py")
 # the second example, a CNN classifier with BatchNorm: its diffs are labelled digits/<script> (patch -p1)
 DIGITS_SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_localsgd.py")
 DIGITS_DATA = """    from digits import digits_data  # your data, model and Task: digits.py, beside this copy
@@ -66,8 +75,8 @@ PLAN = """    plan = {}
         plan.update({f"layers.{i}.fc1": ColwiseParallel(), f"layers.{i}.fc2": RowwiseParallel()})
     return plan
 """
-GPT_PLAN = (
-    r"^    check_gpt_split\(task\.cfg, layout\.tp\).*\n"
+GPT_PLAN = (  # model_tp_plan's last two lines: the GPT's check, then its plan
+    r"^    check_gpt_\w+\(.*\n"
     r"    return tensor_parallel_plan\(model, sequence_parallel, loss_parallel\)\n"
 )
 
@@ -128,26 +137,38 @@ def changes_per_section(original: str, diff: str) -> dict[str, list[int]]:
     return per
 
 
-def figures_row(script: str, n_lines: int, common_lines: int, per: dict, module_lines: int, lang: str) -> str:
+def figures_row(script: str, per: dict, lang: str) -> str:
+    """The row of the reference's table of the regression's copies: the lines changed, per section."""
     added, removed = sum(a for a, _ in per.values()), sum(r for _, r in per.values())
     if lang == "zh":
         names = {"MODEL's TP plan": "MODEL 中的 TP 方案"}
         parts = "，".join(f"{names.get(k, k)} +{a} −{r}" for k, (a, r) in per.items())
-        file = f"`regression.py`，{module_lines} 行" if script == "train_fsdp.py" else "同一个 `regression.py`"
-        return f"| `{script}` | {n_lines} + {common_lines:,} | +{added} −{removed}（{parts}） | {file} |"
+        return f"| `{script}` | +{added} −{removed}（{parts}） |"
     parts = ", ".join(f"{k} +{a} −{r}" for k, (a, r) in per.items())
-    file = f"`regression.py`, {module_lines} lines" if script == "train_fsdp.py" else "the same `regression.py`"
-    return f"| `{script}` | {n_lines} + {common_lines:,} | +{added} −{removed} ({parts}) | {file} |"
+    return f"| `{script}` | +{added} −{removed} ({parts}) |"
+
+
+def module_summary(path: Path) -> str:
+    """The first sentence of a module's docstring: a start for its row in the references' table."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    return " ".join(doc.split("\n\n")[0].split(". ")[0].split())  # of its first paragraph
+
+
+def write_diff(texts: dict, label: str, diff: str) -> None:
+    """The diff into every page that holds a ```diff block headed by `label`."""
+    for key in texts:
+        texts[key] = re.sub(
+            rf"^```diff\n--- {re.escape(label)}\n.*?^```\n",
+            lambda _: f"```diff\n{diff}```\n",
+            texts[key],
+            flags=re.M | re.S,
+        )
 
 
 def main() -> None:
-    texts = {lang: path.read_text(encoding="utf-8") for lang, path in PAGES.items()}
-    module = next(
-        b for _, b in re.findall(r"^```(\w*)\n(.*?)^```$", texts["en"], re.M | re.S) if "class RegressionTask" in b
-    )
-    common = {
-        p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in sorted((SCRIPTS / "common").glob("*.py"))
-    }
+    texts = {key: path.read_text(encoding="utf-8") for key, path in PAGES.items()}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for script in SCRIPT_NAMES:
@@ -159,18 +180,11 @@ def main() -> None:
                 ["diff", "-u", *labels, str(SCRIPTS / script), str(copy)], capture_output=True, text=True
             )
             per = changes_per_section(original, diff.stdout)
-            for lang in texts:
-                texts[lang] = re.sub(
-                    rf"^```diff\n--- {re.escape(script)}\n.*?^```\n",
-                    lambda _: f"```diff\n{diff.stdout}```\n",
-                    texts[lang],
-                    flags=re.M | re.S,
-                )
-                row = figures_row(
-                    script, len(original.splitlines()), sum(common.values()), per, len(module.splitlines()), lang
-                )
-                texts[lang] = re.sub(rf"^\| `{re.escape(script)}` \|.*$", lambda _: row, texts[lang], flags=re.M)
-                rows[(lang, script)] = row
+            write_diff(texts, script, diff.stdout)
+            for (lang, page), text in texts.items():
+                row = figures_row(script, per, lang)
+                texts[(lang, page)] = re.sub(rf"^\| `{re.escape(script)}` \|.*$", lambda _, r=row: r, text, flags=re.M)
+            rows[script] = figures_row(script, per, "en")
         for example, script, data, model in ((e, s, d, m) for e, scripts, d, m in EXAMPLES for s in scripts):
             original = (SCRIPTS / script).read_text(encoding="utf-8")  # the CNN's, the GRU's: data and MODEL only
             copy = Path(tmp) / f"{example}_{script}"
@@ -183,30 +197,27 @@ def main() -> None:
             )
             per = changes_per_section(original, diff.stdout)
             added, removed = sum(a for a, _ in per.values()), sum(r for _, r in per.values())
-            for lang in texts:
-                texts[lang] = re.sub(
-                    rf"^```diff\n--- {re.escape(label)}\n.*?^```\n",
-                    lambda _: f"```diff\n{diff.stdout}```\n",
-                    texts[lang],
-                    flags=re.M | re.S,
-                )
-                texts[lang] = re.sub(
-                    rf"^(\| `{re.escape(label)}` \| )[\d,]+( \| )\+\d+ −\d+",
-                    lambda m: f"{m.group(1)}{len(original.splitlines())}{m.group(2)}+{added} −{removed}",
-                    texts[lang],
+            write_diff(texts, label, diff.stdout)
+            for key, text in texts.items():
+                texts[key] = re.sub(
+                    rf"^(\| `{re.escape(label)}` \| )\+\d+ −\d+",
+                    lambda m, a=added, r=removed: f"{m.group(1)}+{a} −{r}",
+                    text,
                     flags=re.M,
                 )
-            rows[(example, script)] = f"{label}: {len(original.splitlines())} lines, +{added} −{removed} {per}"
-    for lang, path in PAGES.items():
-        for name, n in common.items():
-            texts[lang] = re.sub(
-                rf"^(\| `common/{re.escape(name)}` \| )[\d,]+ \|", rf"\g<1>{n:,} |", texts[lang], flags=re.M
-            )
-        path.write_text(texts[lang], encoding="utf-8")
+            rows[label] = f"{label}: +{added} −{removed} {per}"
+    for key, path in PAGES.items():
+        path.write_text(texts[key], encoding="utf-8")
     print("\n".join(rows.values()))
-    missing = sorted(set(common) - set(re.findall(r"^\| `common/(\w+\.py)` \|", texts["en"], re.M)))
-    if missing:
-        print(f"add a row for each new file of common/ to both pages: {missing}")
+    files = sorted(p.name for p in (SCRIPTS / "common").glob("*.py"))
+    for lang in ("en", "zh"):
+        listed = set(re.findall(r"^\| `common/(\w+\.py)` \|", texts[(lang, "reference")], re.M))
+        page = PAGES[(lang, "reference")].relative_to(REPO)
+        for name in sorted(listed - set(files)):
+            print(f"{page}: common/{name} is gone: remove its row")
+        for name in (n for n in files if n not in listed):
+            summary = module_summary(SCRIPTS / "common" / name)
+            print(f"{page}: add a row for common/{name}: | `common/{name}` | {summary} |")
 
 
 if __name__ == "__main__":
