@@ -90,7 +90,8 @@ BUILT_IN_MAX_LINES = {  # script: cap  # reached
     "train_cp.py": 4630,  # 4,493 (4,485 on the same common/ before its flags' help moved to cp_checks.py; 4,252
     # before the ring, loss and sinks left the lesson, 166 lines shorter)
     "train_ep.py": 4230,  # 4,131
-    "train_hybrid.py": 6450,  # 6,273
+    "train_hybrid.py": 6650,  # 6,461 (issue 56: it counts the lessons it imports, whose flags' help, step
+    # docstrings and PipelineStep.predict came back to them; 6,273 before)
 }
 
 

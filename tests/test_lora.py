@@ -117,7 +117,7 @@ REFERENCES = [(*LORA, *ref_flags) for _, _, _, ref_flags, _ in LAYOUTS.values()]
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_one_process(name, shared_run, reference):
-    """Same losses (within 1e-5) and evaluation as one process with the same adapters."""
+    """Same losses (within 1e-5) and evaluation (1e-4) as one process with the same adapters."""
     shared_run.in_turn(RUNS)
     reference.in_turn(REFERENCES)  # the one-process runs, in one interpreter
     script, nproc, flags, ref_flags, degrees = LAYOUTS[name]
@@ -128,7 +128,10 @@ def test_matches_one_process(name, shared_run, reference):
     ref = reference(*LORA, *ref_flags)
     assert_same_losses(train_losses(ref), train_losses(out), STEPS, tol=1e-5)
     ref_eval, out_eval = (next(r for r in read_metrics(o) if r["type"] == "eval") for o in (ref, out))
-    assert abs(ref_eval["eval_loss"] - out_eval["eval_loss"]) < 1e-5
+    # the evaluation sees the 10th update, which no compared loss does: Adam at lr 1e-2 turns the layouts' rounding
+    # in it into up to 3.6e-5 of eval_loss on an AVX-512 CPU (TP with sequence parallel, the CP ring, pp x dp x tp;
+    # main at f770b9b alike), under 1e-5 on others
+    assert abs(ref_eval["eval_loss"] - out_eval["eval_loss"]) < 1e-4
 
 
 def test_what_trains_and_what_is_held(shared_run):
