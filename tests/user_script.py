@@ -23,3 +23,4 @@ line = f"rank {accelerator.process_index} of {accelerator.num_processes} {accele
 print(line, flush=True)
 with open(sys.argv[1], "a") as f:
     f.write(line + "\n")
+accelerator.end_training()  # as Accelerate's examples end: the process group destroyed before exit
